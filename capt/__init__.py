@@ -1,0 +1,26 @@
+"""CaPT: Capsule Prompt-Tuning (NeurIPS 2025) on Hugging Face backbones.
+
+    import capt
+    bb = capt.load_backbone("smollm2-135m")
+    capsule = capt.Capsule.for_backbone(bb)                 # L*d trainable numbers
+    capt.predict(bb, "rte", {"premise": "...", "hypothesis": "..."}, capsule=capsule)
+    report = capt.attention(bb, "some text", capsule=capsule)
+"""
+__version__ = "0.1.0"
+
+from .errors import CaptError
+from .config import CapsuleConfig
+from .backbones import Backbone, load_backbone, DEFAULT_BACKBONE, EMBEDDED, HUB_ALIASES, TINY
+from .tasks import TASKS, Task, Rendered, get_task, custom_task, load_examples, load_file
+from .capsule import Capsule
+from .scoring import score
+from .predict import Prediction, predict
+from .attention import CAPSULE_TOKEN, AttentionReport, attention
+from .io import load_capsule, save_capsule, push_to_hub, pull_from_hub
+
+__all__ = [
+    "CaptError", "CapsuleConfig", "Backbone", "load_backbone", "DEFAULT_BACKBONE", "EMBEDDED", "HUB_ALIASES",
+    "TINY", "TASKS", "Task", "Rendered", "get_task", "custom_task", "load_examples", "load_file", "Capsule",
+    "score", "Prediction", "predict", "CAPSULE_TOKEN", "AttentionReport", "attention", "load_capsule", "save_capsule",
+    "push_to_hub", "pull_from_hub",
+]

@@ -1,0 +1,84 @@
+"""Attention analysis for one input: the paper's "attention anchor" vs the "attention sink".
+
+With a capsule, the anchor is the capsule slot; without one it is position 0 (BOS when the tokenizer
+adds one), the classic attention sink. The maps come from the stack the capsule lives in (T5: the
+encoder's self-attention; decoder-only: every decoder layer). Eager attention is switched on for this
+call only (under the backbone's lock) because fused kernels do not return attention weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .backbones import Backbone
+from .capsule import Capsule, run
+from .errors import CaptError
+from .scoring import encode_prompts
+
+CAPSULE_TOKEN = "⟨capsule⟩"
+
+
+@dataclass
+class AttentionReport:
+    tokens: list[str]        # (T,) token strings in model order; capsule slots are labelled
+    anchor: int              # index of the capsule slot, or of position 0 / BOS without a capsule
+    anchor_label: str        # "capsule", "BOS" or "position 0"
+    maps: np.ndarray         # (L, H, T, T) attention probabilities; row = query, column = key
+    truncated: bool
+
+    @property
+    def to_anchor(self) -> np.ndarray:
+        """(L, H, T): attention each token sends to the anchor."""
+        return self.maps[..., self.anchor]
+
+    @property
+    def from_anchor(self) -> np.ndarray:
+        """(L, H, T): attention the anchor sends to each token (causal models: only to itself)."""
+        return self.maps[:, :, self.anchor, :]
+
+    def anchor_mass(self) -> np.ndarray:
+        """(L, H): mean attention the other tokens pay to the anchor, per layer and head."""
+        others = [i for i in range(len(self.tokens)) if i != self.anchor]
+        return self.to_anchor[:, :, others].mean(-1) if others else np.zeros(self.maps.shape[:2])
+
+    def mean_map(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
+        """(T, T): one layer/head, or the mean over whichever of them is None."""
+        m = self.maps if layer is None else self.maps[layer:layer + 1]
+        m = m if head is None else m[:, head:head + 1]
+        return m.mean((0, 1))
+
+
+def attention(backbone: Backbone, text: str, capsule: Capsule | None = None) -> AttentionReport:
+    """Per-layer, per-head attention for one prompt (a task's rendered prompt, or any text)."""
+    if not isinstance(text, str) or not text.strip():
+        raise CaptError("attention needs a non-empty input text")
+    tok, model = backbone.tokenizer, backbone.model
+    (ids,), (dropped,) = encode_prompts(backbone, capsule, [text])
+    input_ids = torch.tensor([ids], device=backbone.device)
+    mask = torch.ones_like(input_ids)
+    with backbone.lock, torch.no_grad():
+        previous = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            out, inp = run(backbone, capsule, input_ids, mask, output_attentions=True)
+        finally:
+            model.set_attn_implementation(previous)
+    maps = torch.stack([a[0] for a in out.attentions]).float().cpu().numpy()  # (L, H, T', T')
+
+    words = [tok.decode([i]) for i in ids]
+    slots = capsule.config.n_slots if capsule is not None else 0
+    if slots == 2:
+        tokens = [CAPSULE_TOKEN + ":mean", CAPSULE_TOKEN + ":W"] + words
+    elif slots == 1:
+        tokens = [CAPSULE_TOKEN] + words
+    else:  # no extra token: inplace capsule on the first real token, or no capsule at all
+        tokens = words[:]
+        if capsule is not None:
+            tokens[0] = CAPSULE_TOKEN + "+" + tokens[0]
+    if capsule is not None:
+        label = "capsule"
+    else:
+        label = "BOS" if tok.bos_token_id is not None and ids[0] == tok.bos_token_id else "position 0"
+    return AttentionReport(tokens=tokens, anchor=0, anchor_label=label, maps=maps, truncated=dropped > 0)

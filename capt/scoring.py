@@ -1,0 +1,168 @@
+"""Scoring over the label set: log-scores (B, C), never free generation.
+
+Decoder-only, verbalizer head: the score of a label is the log-probability of its continuation after
+the prompt (summed over its tokens). When every label is one token the whole batch takes one forward
+and the LM head runs only on the last real token; otherwise (COPA's sentences) each (example, label)
+pair is a row and the head runs only on the continuation's positions. The capsule's instance mean is
+always over the prompt alone, so no label ever sees another label's tokens.
+T5: the encoder (with the capsule) runs once; the decoder scores each label's target tokens.
+Linear head: a d x C classifier on the last real token (T5: the decoder's first step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backbones import Backbone
+from .capsule import Capsule, run
+from .errors import CaptError
+from .tasks import Rendered
+
+
+@dataclass
+class Scores:
+    logits: torch.Tensor     # (B, C) log-scores; softmax over C gives the label probabilities
+    dropped: list[int]       # per example: prompt tokens cut to fit backbone.max_length (0 = none)
+
+
+def score(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered],
+          general: bool = False) -> Scores:
+    """Label log-scores for a batch. Differentiable w.r.t. the capsule. `general` forces the
+    per-(example, label) path even when every label is one token (used to test the fast path)."""
+    if not rendered:
+        raise CaptError("nothing to score: the batch is empty")
+    n_choices = {len(r.choices) for r in rendered}
+    if len(n_choices) != 1:
+        raise CaptError(f"examples in one batch must have the same number of labels, got {sorted(n_choices)}")
+    head = capsule.head if capsule is not None else None
+    if backbone.encoder_decoder:
+        return _score_t5(backbone, capsule, rendered, head)
+    return _score_decoder(backbone, capsule, rendered, head, general)
+
+
+# --- tokens ------------------------------------------------------------------------------------
+
+def encode_prompts(backbone: Backbone, capsule: Capsule | None, prompts: list[str],
+                   reserve: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Token ids per prompt, cut to fit the model's limit with room for the slots and `reserve`
+    continuation tokens. Decoder-only models keep the end (the question and the answer cue) and a
+    leading BOS; T5 keeps the start and its closing EOS."""
+    tok = backbone.tokenizer
+    limit = backbone.max_length - (capsule.config.n_slots if capsule is not None else 0) - reserve
+    if limit < 2:
+        raise CaptError(f"max_length={backbone.max_length} leaves no room for the input")
+    out, dropped = [], []
+    for ids in tok(list(prompts), add_special_tokens=True)["input_ids"]:
+        n = len(ids)
+        if n > limit:
+            if backbone.encoder_decoder:
+                ids = ids[:limit - 1] + ids[-1:] if ids[-1] == tok.eos_token_id else ids[:limit]
+            elif ids[0] == tok.bos_token_id and tok.bos_token_id is not None:
+                ids = ids[:1] + ids[-(limit - 1):]
+            else:
+                ids = ids[-limit:]
+        if not ids:
+            raise CaptError("an input is empty after tokenization; give non-empty text")
+        out.append(ids)
+        dropped.append(n - len(ids))
+    return out, dropped
+
+
+def pad(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (B, T_max), padded on `side`."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def lm_logits(backbone: Backbone, h: torch.Tensor) -> torch.Tensor:
+    """The backbone's own head on selected hidden states (..., d) -> (..., V)."""
+    cfg = backbone.model.config
+    if backbone.encoder_decoder and getattr(cfg, "scale_decoder_outputs", cfg.tie_word_embeddings):
+        h = h * cfg.d_model ** -0.5  # T5 with tied embeddings rescales before its head
+    logits = backbone.model.get_output_embeddings()(h)
+    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _last_real(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B,) index of each row's last real token, either padding side."""
+    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
+
+
+def _device(backbone: Backbone, *tensors):
+    return [t.to(backbone.device) for t in tensors]
+
+
+# --- decoder-only ------------------------------------------------------------------------------
+
+def _score_decoder(backbone, capsule, rendered, head, general) -> Scores:
+    tok = backbone.tokenizer
+    side = tok.padding_side
+    choice_ids = [[tok(c, add_special_tokens=False)["input_ids"] for c in r.choices] for r in rendered]
+    single = all(len(c) == 1 for row in choice_ids for c in row)
+    shared = all(row == choice_ids[0] for row in choice_ids)
+    if head is not None or (single and shared and not general):
+        prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
+        ids, mask = _device(backbone, *pad(prompts, tok.pad_token_id, side))
+        out, inp = run(backbone, capsule, ids, mask)
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        last = inp.real_index[rows, _last_real(mask)]
+        h = out.last_hidden_state[rows, last]                            # (B, d)
+        if head is not None:
+            return Scores(head(h), dropped)
+        logp = torch.log_softmax(lm_logits(backbone, h).float(), -1)    # (B, V)
+        return Scores(logp[:, [c[0] for c in choice_ids[0]]], dropped)
+
+    C = len(rendered[0].choices)
+    reserve = max(len(c) for row in choice_ids for c in row)
+    prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered], reserve)
+    seqs = [p + c for p, row in zip(prompts, choice_ids) for c in row]    # N = B*C rows
+    ids, mask = pad(seqs, tok.pad_token_id, side)
+    offset = (mask.shape[1] - mask.sum(1)) if side == "left" else torch.zeros(len(seqs), dtype=torch.long)
+    inst = torch.zeros_like(mask)
+    row_of, pos_of, target = [], [], []
+    for n, (p, c) in enumerate((p, c) for p, row in zip(prompts, choice_ids) for c in row):
+        o = int(offset[n])
+        inst[n, o:o + len(p)] = 1                                        # mean over the prompt only
+        for k, t in enumerate(c):                                        # position p-1+k predicts c[k]
+            row_of.append(n), pos_of.append(o + len(p) - 1 + k), target.append(t)
+    ids, mask, inst = _device(backbone, ids, mask, inst)
+    out, inp = run(backbone, capsule, ids, mask, instance_mask=inst)
+    row_of, pos_of, target = (torch.tensor(x, device=ids.device) for x in (row_of, pos_of, target))
+    h = out.last_hidden_state[row_of, inp.real_index[row_of, pos_of]]   # (K, d) continuation positions
+    logp = torch.log_softmax(lm_logits(backbone, h).float(), -1).gather(1, target[:, None])[:, 0]
+    totals = torch.zeros(len(seqs), device=ids.device, dtype=logp.dtype).index_add(0, row_of, logp)
+    return Scores(totals.view(len(rendered), C), dropped)
+
+
+# --- encoder-decoder ---------------------------------------------------------------------------
+
+def _score_t5(backbone, capsule, rendered, head) -> Scores:
+    tok, model = backbone.tokenizer, backbone.model
+    prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
+    ids, mask = _device(backbone, *pad(prompts, tok.pad_token_id, "right"))
+    start = model.config.decoder_start_token_id
+    if head is not None:
+        dec_in = torch.full((len(rendered), 1), start, dtype=torch.long, device=ids.device)
+        out, _ = run(backbone, capsule, ids, mask, decoder_input_ids=dec_in)
+        return Scores(head(out.decoder_last_hidden_state[:, -1]), dropped)
+
+    enc, inp = run(backbone, capsule, ids, mask)
+    C = len(rendered[0].choices)
+    targets = [tok(c, add_special_tokens=True)["input_ids"] for r in rendered for c in r.choices]
+    tgt, tmask = _device(backbone, *pad(targets, tok.pad_token_id, "right"))
+    dec_in = torch.cat([torch.full_like(tgt[:, :1], start), tgt[:, :-1]], 1)
+    with backbone.lock:
+        dec = model.decoder(input_ids=dec_in, attention_mask=tmask,
+                            encoder_hidden_states=enc.last_hidden_state.repeat_interleave(C, 0),
+                            encoder_attention_mask=inp.attention_mask.repeat_interleave(C, 0))
+    logp = torch.log_softmax(lm_logits(backbone, dec.last_hidden_state).float(), -1)
+    token_logp = logp.gather(2, tgt[..., None])[..., 0] * tmask
+    return Scores(token_logp.sum(1).view(len(rendered), C), dropped)

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random backbones of every supported architecture family, built from configs.
+
+Adding an architecture to ARCHS gives it the whole capsule suite (the PEFT `testing_common` idea).
+"""
+import os
+
+import pytest
+import torch
+
+import capt
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.manual_seed(0)
+
+ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-mistral", "tiny-t5"]
+
+# every option of DESIGN.md §1, each on every architecture
+OPTIONS = {
+    "default": dict(),
+    "prepend": dict(fusion="prepend"),
+    "extract": dict(fusion="extract"),
+    "project": dict(fusion="project"),
+    "none": dict(fusion="none"),
+    "inplace": dict(placement="inplace"),
+    "odd": dict(layers="odd"),
+    "even": dict(layers="even"),
+    "first_half": dict(layers="first_half"),
+    "latter_half": dict(layers="latter_half"),
+    "list": dict(layers=[1, 3]),
+    "linear": dict(head="linear"),
+}
+
+_cache = {}
+
+
+def tiny(name: str) -> capt.Backbone:
+    """Tiny backbones are read-only, so one instance per architecture serves every test."""
+    if name not in _cache:
+        _cache[name] = capt.load_backbone(name, device="cpu")
+    return _cache[name]
+
+
+@pytest.fixture(params=ARCHS)
+def backbone(request):
+    return tiny(request.param)
+
+
+def random_capsule(bb, n_labels=2, seed=1, **options):
+    """A capsule with non-zero random values everywhere (a zero W would hide mistakes)."""
+    cap = capt.Capsule.for_backbone(bb, capt.CapsuleConfig(**options), n_labels=n_labels, seed=seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in cap.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return cap
+
+
+RTE_EXAMPLES = [
+    {"premise": "The cat sat on the mat near the door.", "hypothesis": "A cat sat.", "label": 0},
+    {"premise": "It rained.", "hypothesis": "The ground in the garden was completely dry.", "label": 1},
+    {"premise": "Paris is the capital of France, a country in Europe.", "hypothesis": "Paris is in Europe."},
+]

@@ -1,0 +1,259 @@
+"""The capsule on every architecture x option: equivalences, invariants and the maths."""
+import pytest
+import torch
+
+import capt
+from capt.capsule import masked_mean, run
+from capt.scoring import pad, score
+from conftest import ARCHS, OPTIONS, RTE_EXAMPLES, random_capsule, tiny
+
+RTE = capt.get_task("rte")
+
+
+def _batch(bb, texts, side="right"):
+    ids = [bb.tokenizer(t)["input_ids"] for t in texts]
+    return pad(ids, bb.tokenizer.pad_token_id, side)
+
+
+def _hooks(bb):
+    return sum(len(layer._forward_pre_hooks) + len(layer._forward_hooks) for layer in bb.model.modules())
+
+
+def _rendered(bb, examples=RTE_EXAMPLES):
+    return [RTE.render(e, bb.style) for e in examples]
+
+
+# --- every option on every architecture ---------------------------------------------------------
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_option_runs_and_trains(backbone, option):
+    """Forward, backward and a step for each option: finite scores, gradients only on the capsule."""
+    cap = random_capsule(backbone, **OPTIONS[option])
+    s = score(backbone, cap, _rendered(backbone))
+    assert s.logits.shape == (3, 2) and torch.isfinite(s.logits).all()
+    loss = torch.nn.functional.cross_entropy(s.logits, torch.tensor([0, 1, 0]))
+    loss.backward()
+    assert all(p.grad is None for p in backbone.model.parameters())
+    grads = {n: p.grad for n, p in cap.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), grads.keys()
+    assert grads["weight"].abs().sum() > 0
+    assert _hooks(backbone) == 0
+
+
+def test_trainable_parameter_count_is_L_times_d(backbone):
+    cap = capt.Capsule.for_backbone(backbone)
+    L, d = backbone.n_layers, backbone.hidden_size
+    assert cap.n_capsule_params() == L * d and cap.n_head_params() == 0
+    if backbone.encoder_decoder:  # T5: the encoder's layers only
+        assert L == len(backbone.model.encoder.block) != len(backbone.model.decoder.block)
+    report = cap.param_report(backbone)
+    assert report["share_percent"] == pytest.approx(100 * L * d / backbone.n_params)
+    linear = capt.Capsule.for_backbone(backbone, capt.CapsuleConfig(head="linear"), n_labels=3)
+    assert linear.n_capsule_params() == L * d and linear.n_head_params() == d * 3 + 3
+    odd = capt.Capsule.for_backbone(backbone, capt.CapsuleConfig(layers="odd"))
+    assert odd.layer_ids == list(range(0, L, 2)) and odd.n_capsule_params() == len(odd.layer_ids) * d
+
+
+# --- equivalences -------------------------------------------------------------------------------
+
+def test_no_capsule_is_the_bare_backbone(backbone):
+    """capsule=None runs exactly the backbone's own forward (and a capsule call leaves nothing behind)."""
+    ids, mask = _batch(backbone, ["The cat sat on the mat.", "Dogs bark loudly at night, always."])
+    model = backbone.model
+    with torch.no_grad():
+        if backbone.encoder_decoder:
+            bare = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        else:
+            bare = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ours = run(backbone, None, ids, mask)[0].last_hidden_state
+        real = mask.bool()  # pad positions differ only in their (unused) position ids
+        assert torch.equal(ours[real], bare[real])
+        run(backbone, random_capsule(backbone), ids, mask)
+        after = run(backbone, None, ids, mask)[0].last_hidden_state
+    assert torch.equal(after, ours)
+    assert _hooks(backbone) == 0
+
+
+def test_bare_scores_match_the_models_own_logits():
+    """The verbalizer path reproduces the full model's log-softmax at the answer position."""
+    bb = tiny("tiny-llama")
+    task = capt.custom_task("toy", ["text"], {"a": " the", "b": " a"})
+    r = task.render({"text": "The cat sat on"}, "lm")
+    ids = torch.tensor([bb.tokenizer(r.prompt)["input_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(bb.model(input_ids=ids).logits[0, -1], -1)
+        ours = score(bb, None, [r]).logits[0]
+    words = [bb.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" the", " a")]
+    assert torch.allclose(ours, logp[words], atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "tiny-t5"])
+def test_single_token_fast_path_equals_general_path(arch):
+    bb = tiny(arch)
+    cap = random_capsule(bb)
+    task = capt.custom_task("toy", ["text"], {"a": " the", "b": " a", "c": " was"})
+    rendered = [task.render({"text": t}, "lm") for t in ["The cat sat on", "It rained all day and"]]
+    with torch.no_grad():
+        fast = score(bb, cap, rendered).logits
+        general = score(bb, cap, rendered, general=True).logits
+    assert torch.allclose(fast, general, atol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["default", "prepend", "inplace", "extract", "linear"])
+def test_left_and_right_padding_agree(backbone, option):
+    cap = random_capsule(backbone, **OPTIONS[option])
+    rendered = _rendered(backbone)
+    tok = backbone.tokenizer
+    results = {}
+    with torch.no_grad():
+        for side in ("left", "right"):
+            tok.padding_side = side
+            try:
+                results[side] = score(backbone, cap, rendered).logits
+            finally:
+                tok.padding_side = "right"
+            one_by_one = torch.cat([score(backbone, cap, [r]).logits for r in rendered])
+            assert torch.allclose(results[side], one_by_one, atol=1e-4)
+    assert torch.allclose(results["left"], results["right"], atol=1e-4)
+
+
+def test_hooks_are_removed_when_the_forward_fails(backbone):
+    cap = random_capsule(backbone)
+    ids, mask = _batch(backbone, ["Some text here."])
+    broken = backbone.layers[-1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+    try:
+        with pytest.raises(RuntimeError):
+            run(backbone, cap, ids, mask)
+    finally:
+        broken.remove()
+    assert _hooks(backbone) == 0
+
+
+# --- the maths: golden values -------------------------------------------------------------------
+
+def test_fuse_golden_values():
+    """c = W + mean over the slot and real tokens, pads excluded: checked on numbers by hand."""
+    cap = capt.Capsule(capt.CapsuleConfig(), n_layers=1, hidden_size=2)
+    with torch.no_grad():
+        cap.weight.copy_(torch.tensor([[10.0, 20.0]]))
+    h = torch.tensor([[[0.0, 0.0], [1.0, 2.0], [3.0, 4.0], [99.0, 99.0]]])   # slot, tok, tok, pad
+    slot = torch.tensor([[True, False, False, False]])
+    call = capt.capsule.CallState([slot], torch.tensor([[1, 1, 1, 0]]), 4)
+    out = cap.fuse(0, h, call)
+    # mean of (0,0), (1,2), (3,4) = (4/3, 2); plus W
+    assert torch.allclose(out[0, 0], torch.tensor([10 + 4 / 3, 22.0]))
+    assert torch.equal(out[0, 1:], h[0, 1:])
+
+
+_NORM = {"t5": lambda layer: layer.layer[0].layer_norm}  # the first module to read a layer's input
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_slot_holds_W_plus_masked_mean_at_every_layer(arch, side):
+    """At each capsule layer the slot entering the layer is W[l] + mean(slot and real tokens of the
+    previous layer's output); at layer 0 that is W[0] + mean(E); other positions are untouched."""
+    bb = tiny(arch)
+    cap = random_capsule(bb, layers=[0, 2, 3])  # layer 1 has no capsule: its slot passes through
+    ids, mask = _batch(bb, ["The cat sat on the mat.", "Dogs bark."], side)
+    before, after = {}, {}
+    handles = []
+    for i, layer in enumerate(bb.layers):
+        norm = _NORM.get(bb.model_type, lambda layer: layer.input_layernorm)(layer)
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, k, i=i: before.__setitem__(i, (a[0] if a else k["hidden_states"]).clone()),
+            with_kwargs=True))
+        handles.append(norm.register_forward_pre_hook(lambda m, a, i=i: after.__setitem__(i, a[0].clone())))
+    try:
+        with torch.no_grad():
+            _, inp = run(bb, cap, ids, mask)
+            E = bb.embed(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    first = mask.argmax(1)
+    for b in range(ids.shape[0]):
+        real = [t for t in range(ids.shape[1]) if mask[b, t]]
+        slot = int(first[b])  # the slot sits just before the first real token
+        expect0 = sum(E[b, t] for t in real) / len(real)
+        assert torch.allclose(before[0][b, slot], expect0, atol=1e-5)
+        for j, layer_id in enumerate(cap.layer_ids):
+            h_in = before[layer_id][b]
+            positions = [slot] + [t + 1 for t in real]
+            mean = sum(h_in[p] for p in positions) / len(positions)
+            assert torch.allclose(after[layer_id][b, slot], cap.weight[j] + mean, atol=1e-4), (layer_id, b)
+            others = [p for p in range(h_in.shape[0]) if p != slot]
+            assert torch.equal(after[layer_id][b, others], h_in[others])
+        assert torch.equal(after[1][b], before[1][b])  # no capsule at layer 1
+    assert inp.anchor.tolist() == first.tolist()
+
+
+def test_masked_mean_ignores_padding():
+    h = torch.arange(12.0).view(1, 4, 3)
+    assert torch.equal(masked_mean(h, torch.tensor([[0, 1, 1, 0]])), h[0, 1:3].mean(0, keepdim=True))
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["default", "prepend", "inplace"])
+def test_attention_rows_sum_to_one_and_slot_is_labelled(backbone, option):
+    cap = random_capsule(backbone, **OPTIONS[option])
+    text = RTE.render(RTE_EXAMPLES[0], backbone.style).prompt
+    rep = capt.attention(backbone, text, capsule=cap)
+    L, H, T, T2 = rep.maps.shape
+    n_tok = len(backbone.tokenizer(text)["input_ids"])
+    assert (L, T, T2) == (backbone.n_layers, len(rep.tokens), len(rep.tokens))
+    assert T == n_tok + cap.config.n_slots
+    assert abs(rep.maps.sum(-1) - 1).max() < 1e-4
+    assert rep.tokens[rep.anchor].startswith(capt.CAPSULE_TOKEN)
+    assert rep.anchor_label == "capsule" and rep.anchor_mass().shape == (L, H)
+    assert rep.to_anchor.shape == (L, H, T) and rep.from_anchor.shape == (L, H, T)
+    if not backbone.encoder_decoder:  # causal: the slot at position 0 can only attend to itself
+        assert abs(rep.from_anchor[:, :, 0] - 1).max() < 1e-5
+    assert backbone.model.config._attn_implementation != "eager" or _hooks(backbone) == 0
+
+    bare = capt.attention(backbone, text)
+    assert bare.maps.shape[-1] == n_tok and bare.anchor_label in ("BOS", "position 0")
+    assert capt.CAPSULE_TOKEN not in " ".join(bare.tokens)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def test_bad_options_name_the_valid_ones():
+    with pytest.raises(capt.CaptError, match="fusion='sum'.*add, prepend"):
+        capt.CapsuleConfig(fusion="sum")
+    with pytest.raises(capt.CaptError, match="layers"):
+        capt.CapsuleConfig(layers="middle")
+    with pytest.raises(capt.CaptError, match="placement='slot'"):
+        capt.CapsuleConfig(fusion="prepend", placement="inplace")
+    with pytest.raises(capt.CaptError, match=r"layers \[7\] do not exist.*0..3"):
+        capt.Capsule.for_backbone(tiny("tiny-llama"), capt.CapsuleConfig(layers=[1, 7]))
+    with pytest.raises(capt.CaptError, match="unknown capsule option"):
+        capt.CapsuleConfig.from_dict({"fusion": "add", "colour": "red"})
+
+
+def test_unknown_backbone_lists_the_valid_ones():
+    with pytest.raises(capt.CaptError, match="unknown backbone 'gpt5'.*smollm2-135m"):
+        capt.load_backbone("gpt5")
+
+
+def test_empty_and_missing_input():
+    bb = tiny("tiny-llama")
+    with pytest.raises(capt.CaptError, match="missing field 'hypothesis'"):
+        capt.predict(bb, "rte", {"premise": "x"})
+    with pytest.raises(capt.CaptError, match="empty text"):
+        capt.predict(bb, "rte", {"premise": "  ", "hypothesis": "y"})
+    with pytest.raises(capt.CaptError, match="non-empty"):
+        capt.attention(bb, "   ")
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_long_input_is_truncated_and_says_so(arch):
+    bb = tiny(arch)
+    cap = random_capsule(bb)
+    long = {"premise": "word " * 2000, "hypothesis": "A short claim."}
+    pred = capt.predict(bb, "rte", long, capsule=cap)
+    assert pred.truncated and pred.dropped_tokens > 0
+    assert abs(sum(pred.probs.values()) - 1) < 1e-5
+    short = capt.predict(bb, "rte", RTE_EXAMPLES[0], capsule=cap)
+    assert not short.truncated and short.dropped_tokens == 0
