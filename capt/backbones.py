@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from .arch import ArchSpec, arch_of, embedding_module, layer_list
 from .errors import CaptError
+from .seeding import seeded
 
 DEFAULT_BACKBONE = "smollm2-135m"
 EMBEDDED = ("smollm2-135m", "gemma3-270m")
@@ -122,8 +123,19 @@ def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", devic
     model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
     if tok.pad_token is None:  # Llama-3 ships without one; any id works since pads are masked out
         tok.pad_token = tok.eos_token
+    _install_capture_hooks(model)
     return Backbone(name=key, model=model, tokenizer=tok, revision=rev,
                     max_length=max_length or _model_limit(model))
+
+
+def _install_capture_hooks(model) -> None:
+    """transformers adds inert output-capturing hooks the first time attentions are requested; adding
+    them at load time means no later call (ours or anyone's) changes the shared model's hook set."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # older or newer transformers without lazy capture hooks
+        return
+    maybe_install_capturing_hooks(model)
 
 
 def _model_limit(model) -> int:
@@ -225,7 +237,8 @@ def _build_tiny(name: str):
     ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                bos_token_id=tok.bos_token_id)
     decoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, **ids)
+                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                   initializer_range=0.2, **ids)  # wide enough init that a tiny model can be confident
     if name == "tiny-t5":
         config = tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=4, num_decoder_layers=2, num_heads=4,
                              decoder_start_token_id=tok.pad_token_id, **ids)
@@ -239,7 +252,6 @@ def _build_tiny(name: str):
         kind = {"tiny-llama": "Llama", "tiny-qwen2": "Qwen2", "tiny-mistral": "Mistral"}[name]
         config = getattr(tf, f"{kind}Config")(**decoder)
         cls = getattr(tf, f"{kind}ForCausalLM")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with seeded(0):
         model = cls(config)
     return model, tok, "random-init-seed0"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .backbones import Backbone
 from .config import CapsuleConfig
 from .errors import CaptError
+from .seeding import seeded
 
 
 class Capsule(nn.Module):
@@ -53,9 +54,7 @@ class Capsule(nn.Module):
                      seed: int | None = None, **meta) -> "Capsule":
         """A fresh capsule sized for `backbone`, on its device and dtype."""
         config = config or CapsuleConfig()
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with seeded(seed):
             capsule = cls(config, backbone.n_layers, backbone.hidden_size, n_labels,
                           meta={"backbone": backbone.describe(), **meta})
         return capsule.to(device=backbone.device, dtype=backbone.dtype)

@@ -27,15 +27,17 @@ class Scores:
 
 
 def score(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered],
-          general: bool = False) -> Scores:
-    """Label log-scores for a batch. Differentiable w.r.t. the capsule. `general` forces the
-    per-(example, label) path even when every label is one token (used to test the fast path)."""
+          general: bool = False, head: torch.nn.Module | None = None) -> Scores:
+    """Label log-scores for a batch. Differentiable w.r.t. the capsule and head. `head` (d -> C)
+    defaults to the capsule's own; without one the LM head scores the label words (verbalizer).
+    `general` forces the per-(example, label) path even when every label is one token (tests)."""
     if not rendered:
         raise CaptError("nothing to score: the batch is empty")
     n_choices = {len(r.choices) for r in rendered}
     if len(n_choices) != 1:
         raise CaptError(f"examples in one batch must have the same number of labels, got {sorted(n_choices)}")
-    head = capsule.head if capsule is not None else None
+    if head is None and capsule is not None:
+        head = capsule.head
     if backbone.encoder_decoder:
         return _score_t5(backbone, capsule, rendered, head)
     return _score_decoder(backbone, capsule, rendered, head, general)

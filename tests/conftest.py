@@ -12,6 +12,9 @@ import capt
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.manual_seed(0)
+# Tiny models are fastest on one thread (thread start-up costs more than their matmuls); the SmolLM2
+# integration tests raise it again for their module.
+torch.set_num_threads(1)
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-mistral", "tiny-t5"]
 
@@ -32,13 +35,24 @@ OPTIONS = {
 }
 
 _cache = {}
+_hooks_at_load = {}
+
+
+def _count_hooks(model) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
 def tiny(name: str) -> capt.Backbone:
     """Tiny backbones are read-only, so one instance per architecture serves every test."""
     if name not in _cache:
         _cache[name] = capt.load_backbone(name, device="cpu")
+        _hooks_at_load[name] = _count_hooks(_cache[name].model)
     return _cache[name]
+
+
+def hooks_at_load(bb) -> int:
+    """How many hooks the backbone had right after loading (transformers' own capture hooks)."""
+    return _hooks_at_load[bb.name]
 
 
 @pytest.fixture(params=ARCHS)

@@ -5,7 +5,7 @@ import torch
 import capt
 from capt.capsule import masked_mean, run
 from capt.scoring import pad, score
-from conftest import ARCHS, OPTIONS, RTE_EXAMPLES, random_capsule, tiny
+from conftest import ARCHS, OPTIONS, RTE_EXAMPLES, hooks_at_load, random_capsule, tiny
 
 RTE = capt.get_task("rte")
 
@@ -16,7 +16,12 @@ def _batch(bb, texts, side="right"):
 
 
 def _hooks(bb):
-    return sum(len(layer._forward_pre_hooks) + len(layer._forward_hooks) for layer in bb.model.modules())
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in bb.model.modules())
+
+
+def _clean(bb):
+    """No hook beyond those the backbone had when it was loaded."""
+    return _hooks(bb) == hooks_at_load(bb)
 
 
 def _rendered(bb, examples=RTE_EXAMPLES):
@@ -37,7 +42,7 @@ def test_every_option_runs_and_trains(backbone, option):
     grads = {n: p.grad for n, p in cap.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), grads.keys()
     assert grads["weight"].abs().sum() > 0
-    assert _hooks(backbone) == 0
+    assert _clean(backbone)
 
 
 def test_trainable_parameter_count_is_L_times_d(backbone):
@@ -71,7 +76,7 @@ def test_no_capsule_is_the_bare_backbone(backbone):
         run(backbone, random_capsule(backbone), ids, mask)
         after = run(backbone, None, ids, mask)[0].last_hidden_state
     assert torch.equal(after, ours)
-    assert _hooks(backbone) == 0
+    assert _clean(backbone)
 
 
 def test_bare_scores_match_the_models_own_logits():
@@ -126,7 +131,7 @@ def test_hooks_are_removed_when_the_forward_fails(backbone):
             run(backbone, cap, ids, mask)
     finally:
         broken.remove()
-    assert _hooks(backbone) == 0
+    assert _clean(backbone)
 
 
 # --- the maths: golden values -------------------------------------------------------------------
@@ -210,7 +215,7 @@ def test_attention_rows_sum_to_one_and_slot_is_labelled(backbone, option):
     assert rep.to_anchor.shape == (L, H, T) and rep.from_anchor.shape == (L, H, T)
     if not backbone.encoder_decoder:  # causal: the slot at position 0 can only attend to itself
         assert abs(rep.from_anchor[:, :, 0] - 1).max() < 1e-5
-    assert backbone.model.config._attn_implementation != "eager" or _hooks(backbone) == 0
+    assert backbone.model.config._attn_implementation != "eager" and _clean(backbone)
 
     bare = capt.attention(backbone, text)
     assert bare.maps.shape[-1] == n_tok and bare.anchor_label in ("BOS", "position 0")

@@ -1,5 +1,6 @@
 """Integration tests on the real embedded default backbone, SmolLM2-135M (loaded once, cached)."""
 import json
+import os
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ from conftest import RTE_EXAMPLES
 
 @pytest.fixture(scope="module")
 def smol():
-    return capt.load_backbone("smollm2-135m", device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # a real model uses every core
+    yield capt.load_backbone("smollm2-135m", device="cpu")
+    torch.set_num_threads(threads)
 
 
 def test_facts_and_parameter_count(smol):

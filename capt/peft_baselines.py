@@ -1,0 +1,175 @@
+"""The PEFT baselines: prompt tuning (m soft tokens before the input embeddings) and P-tuning v2
+(PEFT prefix tuning without projection: an m-token K/V prefix at every attention layer).
+
+Both score the label set exactly like capt.scoring (same truncation, padding and label semantics);
+only the forward goes through PEFT's wrapper. What PEFT does to the base model, and why it is safe:
+`get_peft_model` keeps the shared model as `peft_model.base_model` (a child module), sets
+requires_grad=False on all of its parameters, sets `config.pretraining_tp = 1`, and would hook the
+input embeddings if gradient checkpointing were on. The backbone is frozen, without checkpointing, so
+the first two are no-ops, and we restore both anyway. The lasting risk is the child link: `.train()`,
+`.to()` or `.half()` on the wrapper would reach the shared model, so the wrapper stays outside this
+Method's module tree and only its prompt encoder is registered here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .backbones import Backbone
+from .errors import CaptError
+from .seeding import seeded
+from .io import task_to_dict
+from .methods import Method
+from .scoring import Scores, _last_real, encode_prompts, pad
+from .tasks import Rendered, Task
+
+KINDS = ("prompt-tuning", "p-tuning-v2")
+
+
+class PeftMethod(Method):
+    """A PEFT prompt-learning baseline on a shared, frozen backbone; `name` is one of KINDS."""
+
+    def __init__(self, backbone: Backbone, task: Task, name: str, num_virtual_tokens: int = 20, seed: int = 0):
+        super().__init__(backbone, task)
+        from peft import PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+
+        if name not in KINDS:
+            raise CaptError(f"unknown PEFT baseline {name!r}; valid: {', '.join(KINDS)}")
+        if num_virtual_tokens < 1:
+            raise CaptError(f"num_virtual_tokens must be at least 1, got {num_virtual_tokens}")
+        self.name, self.m = name, num_virtual_tokens
+        task_type = TaskType.SEQ_2_SEQ_LM if backbone.encoder_decoder else TaskType.CAUSAL_LM
+        if name == "prompt-tuning":
+            # seq2seq defaults to 2 "submodules", i.e. 2m embeddings of which PEFT's forward reads only
+            # the first m (the encoder's); one submodule keeps n_trainable = m*d honest.
+            config = PromptTuningConfig(task_type=task_type, num_virtual_tokens=self.m, num_transformer_submodules=1)
+        else:
+            # Caveat (PEFT 0.21, T5): the prefix reaches only the decoder's self-attention. PEFT tiles its
+            # 2L K/V rows twice into (self K, self V, cross K, cross V) per layer and then drops the cross
+            # part, so for even L (t5-base, t5-large) half the numbers never get a gradient and decoder
+            # layers i and i + L/2 share one prefix. We keep PEFT's layout and count, as shipped.
+            config = PrefixTuningConfig(task_type=task_type, num_virtual_tokens=self.m)
+        model = backbone.model
+        with backbone.lock:
+            flags = [(p, p.requires_grad) for p in model.parameters()]
+            tp = getattr(model.config, "pretraining_tp", None)
+            had_tp = hasattr(model.config, "pretraining_tp")
+            with seeded(seed), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # PEFT reads a deprecated transformers property
+                peft_model = get_peft_model(model, config)
+            for p, flag in flags:
+                p.requires_grad_(flag)
+            if had_tp:
+                model.config.pretraining_tp = tp
+            elif hasattr(model.config, "pretraining_tp"):
+                delattr(model.config, "pretraining_tp")
+        self.peft = [peft_model]                         # a list keeps the wrapper (and the backbone) unregistered
+        self.prompt_encoder = peft_model.prompt_encoder  # the only trainable tensors, shared with the wrapper
+        self.prefix = self.m if name == "prompt-tuning" else 0  # extra positions in the returned logits
+
+    def scores(self, rendered: list[Rendered], general: bool = False) -> Scores:
+        """(B, C) label log-scores. `general` forces the per-(example, label) path (tests)."""
+        if not rendered:
+            raise CaptError("nothing to score: the batch is empty")
+        if len({len(r.choices) for r in rendered}) != 1:
+            raise CaptError("examples in one batch must have the same number of labels")
+        if self.bb.encoder_decoder:
+            return self._score_t5(rendered)
+        return self._score_decoder(rendered, general)
+
+    # --- decoder-only --------------------------------------------------------------------------
+
+    def _log_probs(self, ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """(N, T) ids, mask and a bool `keep` -> (K, V) next-token log-probs at the K kept positions,
+        row-major. The LM head runs only on those (transformers' boolean `logits_to_keep`)."""
+        if self.prefix:  # PEFT prepends the virtual tokens, so every real position moves right by m
+            keep = torch.cat([keep.new_zeros(keep.shape[0], self.prefix), keep], 1)
+        ids, mask, keep = (t.to(self.bb.device) for t in (ids, mask, keep))
+        with self.bb.lock:
+            logits = self.peft[0](input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+        return torch.log_softmax(logits.float(), -1)
+
+    def _score_decoder(self, rendered, general) -> Scores:
+        tok = self.bb.tokenizer
+        side = tok.padding_side  # with left padding PEFT's virtual tokens precede the pads (its behaviour)
+        choice_ids = [[tok(c, add_special_tokens=False)["input_ids"] for c in r.choices] for r in rendered]
+        single = all(len(c) == 1 for row in choice_ids for c in row)
+        shared = all(row == choice_ids[0] for row in choice_ids)
+        if single and shared and not general:  # one row per example, read at its last real token
+            prompts, dropped = encode_prompts(self.bb, None, [r.prompt for r in rendered], reserve=self.m)
+            ids, mask = pad(prompts, tok.pad_token_id, side)
+            keep = torch.zeros_like(mask, dtype=torch.bool)
+            keep[torch.arange(len(prompts)), _last_real(mask)] = True
+            logp = self._log_probs(ids, mask, keep)                             # (B, V)
+            return Scores(logp[:, [c[0] for c in choice_ids[0]]], dropped)
+
+        C = len(rendered[0].choices)  # one row per (example, label): prompt + choice
+        reserve = self.m + max(len(c) for row in choice_ids for c in row)
+        prompts, dropped = encode_prompts(self.bb, None, [r.prompt for r in rendered], reserve)
+        pairs = [(p, c) for p, row in zip(prompts, choice_ids) for c in row]
+        ids, mask = pad([p + c for p, c in pairs], tok.pad_token_id, side)
+        offset = mask.shape[1] - mask.sum(1) if side == "left" else torch.zeros(len(pairs), dtype=torch.long)
+        keep = torch.zeros_like(mask, dtype=torch.bool)
+        row_of, target = [], []
+        for n, (p, c) in enumerate(pairs):  # position len(p)-1+k predicts c[k]; row-major like `keep`
+            o = int(offset[n])
+            keep[n, o + len(p) - 1:o + len(p) - 1 + len(c)] = True
+            row_of += [n] * len(c)
+            target += c
+        logp = self._log_probs(ids, mask, keep)                                  # (K, V)
+        row_of, target = (torch.tensor(x, device=logp.device) for x in (row_of, target))
+        token_logp = logp.gather(1, target[:, None])[:, 0]
+        totals = torch.zeros(len(pairs), device=logp.device).index_add(0, row_of, token_logp)
+        return Scores(totals.view(len(rendered), C), dropped)
+
+    # --- encoder-decoder -----------------------------------------------------------------------
+
+    def _score_t5(self, rendered) -> Scores:
+        """Each label's target tokens, teacher-forced. PEFT's forward always runs the encoder, so the
+        prompt is repeated once per label (C encoder passes instead of capt.scoring's one)."""
+        tok, bb = self.bb.tokenizer, self.bb
+        prompts, dropped = encode_prompts(bb, None, [r.prompt for r in rendered], reserve=self.m)
+        ids, mask = pad(prompts, tok.pad_token_id, "right")
+        C = len(rendered[0].choices)
+        targets = [tok(c, add_special_tokens=True)["input_ids"] for r in rendered for c in r.choices]
+        tgt, tmask = pad(targets, tok.pad_token_id, "right")
+        start = torch.full_like(tgt[:, :1], bb.model.config.decoder_start_token_id)
+        dec_in = torch.cat([start, tgt[:, :-1]], 1)
+        ids, mask, tgt, tmask, dec_in = (t.to(bb.device) for t in (ids, mask, tgt, tmask, dec_in))
+        with bb.lock:
+            logits = self.peft[0](input_ids=ids.repeat_interleave(C, 0), attention_mask=mask.repeat_interleave(C, 0),
+                                  decoder_input_ids=dec_in, decoder_attention_mask=tmask).logits  # (B*C, T', V)
+        logp = torch.log_softmax(logits.float(), -1)
+        token_logp = logp.gather(2, tgt[..., None])[..., 0] * tmask
+        return Scores(token_logp.sum(1).view(len(rendered), C), dropped)
+
+    # --- files ---------------------------------------------------------------------------------
+
+    def save(self, folder, training, metrics) -> Path:
+        """PEFT's own adapter folder (adapter_config.json, adapter_model.safetensors) plus capt.json
+        (backbone, task, training, metrics), written to a temp folder that is renamed into place."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            self.peft[0].save_pretrained(str(tmp), safe_serialization=True)
+            meta = {"method": self.name, "num_virtual_tokens": self.m, "n_trainable": self.n_trainable(),
+                    "backbone": self.bb.describe(), "task": task_to_dict(self.task),
+                    "training": training, "metrics": metrics}
+            (tmp / "capt.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+            if folder.exists():  # replace an older one only once the new one is complete
+                old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+                os.replace(folder, old)
+                os.replace(tmp, folder)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return folder

@@ -1,0 +1,478 @@
+"""One training function for the CLI (`python -m train`) and the app's browser training.
+
+The paper's protocol: the official train split is divided 90/10 (the 10 % picks the best checkpoint and
+stops early), the official val split is the test set, float32, several seeds averaged. Short runs for
+the browser: max_steps / max_minutes, a callback per step with loss, throughput and ETA, and a stop flag
+honoured within one step that keeps the best state so far. Runs resume from their checkpoint.
+
+The same code runs under `accelerate launch` on several GPUs: batches are sharded across processes and
+the (tiny) gradients are averaged by hand, since the backbone is frozen and only a few thousand
+numbers train (wrapping the capsule in DDP would buy nothing).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file as load_tensors, save_file as save_tensors
+from tqdm.auto import tqdm
+
+from .backbones import Backbone, load_backbone
+from .config import CapsuleConfig
+from .errors import CaptError
+from .methods import METHODS, TRAINABLE, Method, make_method
+from .tasks import Rendered, Task, custom_task, get_task, load_examples, load_file, split_note
+
+DEFAULT_LR = {"capt": 3e-2, "deep-prompt-1": 3e-2, "linear-head": 1e-3, "prompt-tuning": 3e-1,
+              "p-tuning-v2": 1e-2}
+SPLIT_SEED = 20251  # the 90/10 split is the same for every method and training seed
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; validated before any model is loaded."""
+
+    task: str = "rte"
+    method: str = "capt"
+    backbone: str = "smollm2-135m"
+    lr: float | None = None            # None: DEFAULT_LR for the method
+    batch_size: int = 8
+    epochs: int = 50                   # the paper's budget; early stopping usually ends sooner
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    eval_every: int = 50               # steps between dev evaluations (and checkpoints)
+    patience: int = 10                 # dev evaluations without improvement before stopping
+    seed: int = 0
+    dev_fraction: float = 0.1
+    max_train: int | None = None       # cap on training examples (documented for MultiRC / BoolQ)
+    max_dev: int | None = None
+    max_test: int | None = None
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    num_virtual_tokens: int = 20       # prompt-tuning / p-tuning-v2 only
+    capsule: dict = field(default_factory=dict)  # CapsuleConfig fields (capt / deep-prompt-1)
+    dtype: str = "float32"
+    data_dir: str | None = None
+    source: str | None = None          # a hub dataset id instead of the local files
+    data_file: str | None = None       # a user's CSV/JSONL: needs fields and label_words
+    test_file: str | None = None
+    fields: list[str] | None = None
+    columns: dict | None = None
+    label_column: str = "label"
+    label_words: dict | None = None
+    out_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise CaptError(f"unknown method '{self.method}'; valid: {', '.join(METHODS)}")
+        if self.lr is not None and not 0 < self.lr <= 10:
+            raise CaptError(f"lr={self.lr} is out of range; valid: 0 < lr <= 10")
+        for name, lo, hi in (("batch_size", 1, 4096), ("epochs", 1, 10_000), ("max_steps", 1, 10_000_000),
+                             ("eval_every", 1, 10_000_000), ("patience", 1, 10_000),
+                             ("num_virtual_tokens", 1, 1024), ("warmup_steps", 0, 10_000_000)):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and lo <= value <= hi):
+                raise CaptError(f"{name}={value!r} is out of range; valid: an integer {lo}..{hi}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise CaptError(f"max_minutes={self.max_minutes} must be positive")
+        if not 0 < self.dev_fraction < 0.5:
+            raise CaptError(f"dev_fraction={self.dev_fraction} is out of range; valid: 0 < f < 0.5")
+        if self.data_file and not (self.fields and self.label_words):
+            raise CaptError("a data_file needs fields (the input columns) and label_words (label -> word)")
+        CapsuleConfig.from_dict(self.capsule)  # unknown or bad capsule options fail here, before loading
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR.get(self.method, 1e-3)
+
+
+# --- data --------------------------------------------------------------------------------------
+
+@dataclass
+class Splits:
+    task: Task
+    train: list[dict]
+    dev: list[dict]
+    test: list[dict]
+    note: str
+
+
+def prepare_data(cfg: TrainConfig) -> Splits:
+    """train 90 % / dev 10 % of the official train split (grouped, so no MultiRC passage is in both);
+    test = the official val split. A user's file: its rows split the same way; test_file or a further
+    10 % held out as test."""
+    if cfg.data_file:
+        task = custom_task(cfg.task, cfg.fields, cfg.label_words)
+        rows = load_file(cfg.data_file, task, cfg.columns, cfg.label_column)
+        if cfg.test_file:
+            test = load_file(cfg.test_file, task, cfg.columns, cfg.label_column)
+        else:
+            rows, test = _split(rows, cfg.dev_fraction)
+        note = f"user data {cfg.data_file}" + (f", test {cfg.test_file}" if cfg.test_file else ", test = held-out 10 %")
+    else:
+        task = get_task(cfg.task)
+        rows = load_examples(task, "train", cfg.data_dir, cfg.source)
+        test = load_examples(task, "val", cfg.data_dir, cfg.source)
+        note = "train split 90/10 (train/dev), official val split as test"
+        extra = split_note(task, cfg.data_dir) if not cfg.source else None
+        note += f"; {extra}" if extra else ""
+    train, dev = _split(rows, cfg.dev_fraction)
+    train, dev, test = (_cap(x, n) for x, n in ((train, cfg.max_train), (dev, cfg.max_dev), (test, cfg.max_test)))
+    for name, part in (("train", train), ("dev", dev), ("test", test)):
+        if not part:
+            raise CaptError(f"the {name} split of {task.name} is empty; give more data")
+        if any(r.get("label") is None for r in part):
+            raise CaptError(f"the {name} split of {task.name} has unlabelled examples")
+    return Splits(task, train, dev, test, note)
+
+
+def _group(row: dict):
+    g = row.get("group")
+    return str(g).split("-")[0] if g is not None else row.get("idx", id(row))  # MultiRC: the passage
+
+
+def _split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    groups = sorted({_group(r) for r in rows}, key=str)
+    random.Random(SPLIT_SEED).shuffle(groups)
+    held = set(groups[:max(1, round(len(groups) * fraction))])
+    return [r for r in rows if _group(r) not in held], [r for r in rows if _group(r) in held]
+
+
+def _cap(rows: list[dict], n: int | None) -> list[dict]:
+    """A fixed random subset of about n examples (whole MultiRC questions, so exact match stays defined)."""
+    if n is None or n >= len(rows):
+        return rows
+    if rows[0].get("group") is None:
+        return random.Random(SPLIT_SEED).sample(rows, n)
+    by_group: dict = {}
+    for r in rows:
+        by_group.setdefault(r["group"], []).append(r)
+    groups = sorted(by_group)
+    random.Random(SPLIT_SEED).shuffle(groups)
+    out: list[dict] = []
+    for g in groups:
+        if len(out) >= n:
+            break
+        out += by_group[g]
+    return out
+
+
+def bucketed_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled batches of similar length (less padding on CPU): shuffle, sort within windows of
+    50 batches, then shuffle the batch order. Deterministic in (seed, epoch), so resume can skip."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * 50
+    batches = []
+    for i in range(0, len(order), window):
+        chunk = sorted(order[i:i + window], key=lambda j: lengths[j])
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# --- evaluation --------------------------------------------------------------------------------
+
+def evaluate(method: Method, examples: list[dict], batch_size: int = 16, accelerator=None) -> dict:
+    """Test metrics of `method` on labelled examples (sharded across processes when distributed)."""
+    task, bb = method.task, method.bb
+    rendered = [task.render(e, bb.style) for e in examples]
+    order = sorted(range(len(rendered)), key=lambda i: len(rendered[i].prompt))
+    if accelerator is not None and accelerator.num_processes > 1:
+        order = order[accelerator.process_index::accelerator.num_processes]
+    preds = {}
+    with torch.no_grad():
+        for k in range(0, len(order), batch_size):
+            idx = order[k:k + batch_size]
+            logits = method.scores([rendered[i] for i in idx]).logits
+            preds.update(zip(idx, logits.argmax(-1).tolist()))
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+        preds = {i: p for part in gather_object([preds]) for i, p in part.items()}
+    pred_list = [preds[i] for i in range(len(rendered))]
+    groups = [r.group for r in rendered] if any(r.group for r in rendered) else None
+    return task.metrics(pred_list, [r.label for r in rendered], groups)
+
+
+def primary_metric(task: Task) -> str:
+    return "f1a" if "f1a" in task.metric_names else "accuracy"
+
+
+# --- training ----------------------------------------------------------------------------------
+
+class Run:
+    """Files of one run: metrics.jsonl, summary.json, checkpoint/, capsule/ (or artifact/)."""
+
+    def __init__(self, out_dir: str | Path | None):
+        self.dir = Path(out_dir) if out_dir else None
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        if self.dir:
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def write_json(self, name: str, data: dict) -> None:
+        if self.dir:
+            tmp = self.dir / f".{name}.tmp"
+            tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+            os.replace(tmp, self.dir / name)
+
+
+def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable[[dict], None] | None = None,
+          stop: threading.Event | None = None, resume: bool = False, progress: bool = True) -> dict:
+    """Train (or, for zero-shot / majority, just evaluate) one method with one seed; returns the summary.
+
+    callback(event) gets {"kind": "step" | "eval" | "done", ...} after every step and evaluation.
+    stop: set it from another thread; the run ends within one step and keeps the best state so far.
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    run = Run(cfg.out_dir if accelerator.is_main_process else None)
+    data = prepare_data(cfg)
+    bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype, device=str(accelerator.device))
+    method = make_method(cfg.method, bb, data.task, CapsuleConfig.from_dict(cfg.capsule), cfg.seed,
+                         cfg.num_virtual_tokens)
+    method.fit_labels([r["label"] for r in data.train])
+    emit = callback or (lambda event: None)
+    key = primary_metric(data.task)
+    started = time.time()
+    summary = {"config": asdict(cfg), "method": cfg.method, "task": data.task.name, "backbone": bb.name,
+               "backbone_revision": bb.revision, "data": data.note, "n_train": len(data.train),
+               "n_dev": len(data.dev), "n_test": len(data.test), "n_trainable": method.n_trainable(),
+               "backbone_params": bb.n_params, "device": str(bb.device), "selection_metric": key}
+
+    params = [p for p in method.parameters() if p.requires_grad]
+    state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
+             "best_step": 0, "stopped_by": None}
+    best_params = {k: v.detach().clone() for k, v in method.state_dict().items()}
+    if cfg.method in TRAINABLE:
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        if resume and run.dir and (run.dir / "checkpoint" / "state.json").exists():
+            best_params = _load_checkpoint(run.dir / "checkpoint", method, optimizer, state)
+        _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_params, emit, stop, progress, key)
+        method.load_state_dict(best_params)
+    else:
+        state["stopped_by"] = "no training"
+
+    test = evaluate(method, data.test, accelerator=accelerator)
+    dev = evaluate(method, data.dev, accelerator=accelerator)
+    summary.update(steps=state["step"], best_step=state["best_step"], stopped_by=state["stopped_by"],
+                   train_seconds=round(state["elapsed"], 1), wall_seconds=round(time.time() - started, 1),
+                   dev=dev, test=test)
+    if run.dir:
+        artifact = method.save(run.dir / "capsule", training=summary, metrics=test)
+        summary["artifact"] = str(artifact) if artifact else None
+        run.write_json("summary.json", summary)
+        run.log({"kind": "done", "test": test, "dev": dev})
+    emit({"kind": "done", **summary})
+    return summary
+
+
+def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_params, emit, stop, progress, key):
+    task, bb = data.task, method.bb
+    rendered = [task.render(e, bb.style) for e in data.train]
+    labels = torch.tensor([r.label for r in rendered], device=bb.device)
+    lengths = [len(r.prompt) for r in rendered]  # characters: a cheap, monotone proxy for tokens
+    per_epoch = math.ceil(len(rendered) / cfg.batch_size)
+    total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
+    params = [p for p in method.parameters() if p.requires_grad]
+    # this session's clock (a resumed run adds the elapsed time it brought from its checkpoint)
+    session, before, seen, step_start = time.time(), state["elapsed"], 0, state["step"]
+    bar = tqdm(total=total, initial=state["step"], desc=f"{method.name} {task.name}", disable=not progress
+               or not accelerator.is_main_process, dynamic_ncols=True)
+
+    def evaluate_and_keep() -> bool:
+        dev = evaluate(method, data.dev, accelerator=accelerator)
+        improved = dev[key] > state["best"]
+        if improved:
+            state.update(best=dev[key], best_step=state["step"], bad_evals=0)
+            best_params.update({k: v.detach().clone() for k, v in method.state_dict().items()})
+        else:
+            state["bad_evals"] += 1
+        record = {"kind": "eval", "step": state["step"], "dev": dev, "best": state["best"], "improved": improved,
+                  "elapsed_s": round(state["elapsed"], 1)}
+        run.log(record)
+        emit(record)
+        if run.dir:
+            _save_checkpoint(run.dir / "checkpoint", method, optimizer, state, best_params)
+        return state["bad_evals"] >= cfg.patience
+
+    while state["step"] < total:
+        batches = bucketed_batches(lengths, cfg.batch_size, cfg.seed, state["epoch"])
+        batches = batches[accelerator.process_index::accelerator.num_processes]
+        for b in batches[state["batch"]:]:
+            if stop is not None and stop.is_set():
+                state["stopped_by"] = "stop requested"
+                break
+            if cfg.max_minutes and before + time.time() - session > cfg.max_minutes * 60:
+                state["stopped_by"] = "max_minutes"
+                break
+            lr = cfg.learning_rate * min(1.0, (state["step"] + 1) / max(1, cfg.warmup_steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            logits = method.scores([rendered[i] for i in b]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels[b])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if accelerator.num_processes > 1:  # average the few trainable gradients across processes
+                for p in params:
+                    p.grad = accelerator.reduce(p.grad, reduction="mean")
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            state["step"] += 1
+            state["batch"] += 1
+            seen += len(b)
+            now = time.time() - session
+            state["elapsed"] = before + now
+            eta = (total - state["step"]) * now / (state["step"] - step_start)
+            if cfg.max_minutes:
+                eta = min(eta, max(0.0, cfg.max_minutes * 60 - state["elapsed"]))
+            record = {"kind": "step", "step": state["step"], "total_steps": total, "epoch": state["epoch"],
+                      "loss": loss.item(), "lr": lr, "examples_per_s": round(seen / now, 3),
+                      "eta_s": round(eta, 1), "elapsed_s": round(state["elapsed"], 1), "best": _finite(state["best"])}
+            run.log(record)
+            emit(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", best=f"{state['best']:.3f}")
+            if state["step"] % cfg.eval_every == 0 and evaluate_and_keep():
+                state["stopped_by"] = "early stopping"
+                break
+            if state["step"] >= total:
+                break
+        if state["stopped_by"]:
+            break
+        state["epoch"] += 1
+        state["batch"] = 0
+    state["stopped_by"] = state["stopped_by"] or ("max_steps" if cfg.max_steps and total == cfg.max_steps
+                                                  else "epochs")
+    if state["step"] % cfg.eval_every != 0 or state["best"] == -math.inf:
+        evaluate_and_keep()  # the last steps count too
+    bar.close()
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no -Infinity
+
+
+# --- checkpoints (safetensors + JSON; no pickle) -------------------------------------------------
+
+def _save_checkpoint(folder: Path, method: Method, optimizer, state: dict, best_params: dict) -> None:
+    tensors = {f"param/{k}": v.detach().cpu().contiguous() for k, v in method.state_dict().items()}
+    tensors.update({f"best/{k}": v.detach().cpu().contiguous() for k, v in best_params.items()})
+    names = {id(p): n for n, p in method.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                tensors[f"opt/{names[id(p)]}/{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_tensors(tensors, str(tmp / "state.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(state))
+    if folder.exists():
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    os.replace(tmp, folder)
+
+
+def _load_checkpoint(folder: Path, method: Method, optimizer, state: dict) -> dict:
+    tensors = load_tensors(str(folder / "state.safetensors"))
+    state.update(json.loads((folder / "state.json").read_text()))
+    state["stopped_by"] = None
+    method.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("param/")})
+    params = dict(method.named_parameters())
+    for k, v in tensors.items():
+        if k.startswith("opt/"):
+            name, slot = k[4:].rsplit("/", 1)
+            optimizer.state[params[name]][slot] = v if slot == "step" else v.to(params[name].device)
+    return {k[5:]: v.to(method.bb.device) for k, v in tensors.items() if k.startswith("best/")}
+
+
+# --- several seeds, several methods ------------------------------------------------------------
+
+def train_seeds(cfg: TrainConfig, seeds: list[int], backbone: Backbone | None = None, **kwargs) -> dict:
+    """The paper's protocol: one run per seed, test metrics averaged. With several seeds each run
+    lives in out_dir/seed-<s>/ and the seed with the best dev score is copied to out_dir/capsule."""
+    if not seeds:
+        raise CaptError("give at least one seed")
+    bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype)
+    runs = []
+    for s in seeds:
+        out = cfg.out_dir if (len(seeds) == 1 or not cfg.out_dir) else str(Path(cfg.out_dir) / f"seed-{s}")
+        runs.append(train(replace(cfg, seed=s, out_dir=out), bb, **kwargs))
+    if len(seeds) == 1:
+        return runs[0]
+    summary = {k: runs[0][k] for k in ("method", "task", "backbone", "backbone_revision", "data", "n_train",
+                                       "n_dev", "n_test", "n_trainable", "backbone_params", "selection_metric")}
+    summary.update(seeds=list(seeds), runs=runs, test=_mean_std([r["test"] for r in runs]),
+                   dev=_mean_std([r["dev"] for r in runs]),
+                   train_seconds=round(sum(r["train_seconds"] for r in runs), 1),
+                   steps=[r["steps"] for r in runs])
+    key = runs[0]["selection_metric"]
+    best = max(range(len(runs)), key=lambda i: runs[i]["dev"][key])
+    summary["best_seed"] = seeds[best]
+    if cfg.out_dir and runs[best].get("artifact"):
+        target = Path(cfg.out_dir) / "capsule"
+        tmp = Path(cfg.out_dir) / ".capsule.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(runs[best]["artifact"], tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        summary["artifact"] = str(target)
+    if cfg.out_dir:
+        Run(cfg.out_dir).write_json("summary.json", summary)
+    return summary
+
+
+def _mean_std(metrics: list[dict]) -> dict:
+    out = {}
+    for k in metrics[0]:
+        values = [m[k] for m in metrics]
+        mean = sum(values) / len(values)
+        out[k] = mean
+        out[k + "_std"] = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    return out
+
+
+def compare(cfg: TrainConfig, methods: list[str], seeds: list[int] = (0,), backbone: Backbone | None = None,
+            **kwargs) -> list[dict]:
+    """Several methods on one task, same data and loop; one row per method."""
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise CaptError(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}")
+    bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype)
+    rows = []
+    for m in methods:
+        out = str(Path(cfg.out_dir) / m) if cfg.out_dir else None
+        s = train_seeds(replace(cfg, method=m, out_dir=out), list(seeds), bb, **kwargs)
+        rows.append({"method": m, "trainable": s["n_trainable"],
+                     "share_percent": 100 * s["n_trainable"] / s["backbone_params"],
+                     "train_seconds": s["train_seconds"], **{f"test_{k}": v for k, v in s["test"].items()}})
+    if cfg.out_dir:
+        Run(cfg.out_dir).write_json("compare.json", {"task": cfg.task, "backbone": bb.name, "rows": rows})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A Markdown table of compare() rows (metrics as percentages)."""
+    metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
+    head = ["method", "trainable", "share %", "train s"] + [k[5:] for k in metric_keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], f"{r['trainable']:,}", f"{r['share_percent']:.4f}", f"{r['train_seconds']:.0f}"]
+        cells += [f"{100 * r[k]:.1f}" for k in metric_keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""train.bench on the shared tiny-llama: every row is printed, the JSON matches the table, and the
+shared backbone comes out exactly as it went in (no hooks, no flags, same weights, same outputs)."""
+import json
+import math
+import re
+
+import pytest
+import torch
+from conftest import tiny
+
+import train.bench as bench
+
+ROWS = ["floor", "capt", "prompt-tuning-20", "prompt-tuning-100", "p-tuning-v2-20", "p-tuning-v2-100"]
+
+
+def snapshot(bb):
+    """Everything a method could leave behind on a shared backbone."""
+    hooks = {name: tuple(len(getattr(mod, attr)) for attr in
+                         ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                          "_state_dict_hooks", "_load_state_dict_pre_hooks"))
+             for name, mod in bb.model.named_modules()}
+    ids = torch.arange(4, 20)[None]
+    with torch.no_grad():
+        logits = bb.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    return {"hooks": hooks, "grad": [p.requires_grad for p in bb.model.parameters()],
+            "training": [m.training for m in bb.model.modules()], "logits": logits,
+            "state": {k: v.clone() for k, v in bb.model.state_dict().items()},
+            "forward": type(bb.model).forward is bb.model.forward.__func__,
+            "tp": getattr(bb.model.config, "pretraining_tp", None)}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_tiny(tmp_path, capsys, monkeypatch):
+    bb = tiny("tiny-llama")
+    monkeypatch.setattr(bench, "load_backbone", lambda name: bb)  # the shared instance, to check it after
+    before = snapshot(bb)
+    path = tmp_path / "b.json"
+    res = bench.main(["--backbone", "tiny-llama", "--repeats", "2", "--warmup", "0", "--seq-len", "16",
+                      "--batch-size", "2", "--json", str(path)])
+    out = capsys.readouterr().out
+
+    table = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)}
+    assert list(table) == ROWS
+    for name, (n, median, ratio) in table.items():
+        assert float(median) >= 0 and float(ratio) > 0, name
+    assert table["floor"][0] == "0" and float(table["floor"][2]) == 1.0
+    assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
+    pred = re.search(r"^\| ratio \| ([\d.]+) \|$", out, re.M)
+    assert pred and float(pred[1]) > 0
+    assert "CaPT step <= 1.03x floor: " in out and "prediction with capsule <= 1.05x without: " in out
+    assert re.findall(r": (PASS|FAIL) \(", out) and len(re.findall(r": (PASS|FAIL) \(", out)) == 2
+
+    saved = json.loads(path.read_text())
+    assert saved == json.loads(json.dumps(res))
+    assert [r["name"] for r in saved["rows"]] == ROWS
+    for r in saved["rows"]:
+        n, median, ratio = table[r["name"]]
+        assert int(n.replace(",", "")) == r["trainable"]
+        assert math.isclose(float(ratio), r["ratio"], abs_tol=6e-4) and r["ratio"] > 0
+        assert len(saved["times"][r["name"]]) == 2
+    assert math.isclose(float(pred[1]), saved["predict"]["ratio"], abs_tol=6e-4)
+
+    after = snapshot(bb)
+    assert after["hooks"] == before["hooks"]
+    assert after["grad"] == before["grad"] and not any(after["grad"])
+    assert after["training"] == before["training"]
+    assert after["forward"] and after["tp"] == before["tp"]
+    assert after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][k], v) for k, v in before["state"].items())
+    assert torch.equal(after["logits"], before["logits"])
+
+
+def test_measure_counts_and_warmup():
+    calls = []
+    times = bench.measure(lambda: calls.append(1), repeats=3, warmup=2)
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
+
+
+def test_round_robin_interleaves():
+    order = []
+    fns = {k: (lambda b, k=k: order.append((k, b))) for k in "abc"}
+    times = bench.round_robin(fns, batches=[0, 1, 2], warmup=1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2, "c": 2}
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2)]

@@ -1,0 +1,174 @@
+"""The training function and CLI on tiny models: files, learning, stop, resume, compare, bad input."""
+import csv
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import capt
+from capt.methods import METHODS
+from capt.training import TrainConfig, compare, format_table, train, train_seeds
+from conftest import tiny
+from train.__main__ import main as cli
+
+
+@pytest.fixture
+def toy_csv(tmp_path):
+    """A trivially learnable task: the animal decides the label."""
+    path = tmp_path / "toy.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "y"])
+        for i in range(40):
+            animal = "cat" if i % 2 == 0 else "dog"
+            w.writerow([f"the {animal} number {i} sat there", "a" if animal == "cat" else "b"])
+    return path
+
+
+def toy(toy_csv, tmp_path, **kw):
+    base = dict(task="toy", backbone="tiny-llama", data_file=str(toy_csv), fields=["text"],
+                columns={"text": "text"}, label_column="y", label_words={"a": " the", "b": " a"},
+                batch_size=4, eval_every=2, out_dir=str(tmp_path / "run"))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_three_step_run_writes_its_files(method, tmp_path):
+    bb = tiny("tiny-t5" if method == "p-tuning-v2" else "tiny-llama")
+    cfg = TrainConfig(task="cb", method=method, backbone=bb.name, max_steps=3, eval_every=2, max_train=24,
+                      max_dev=6, max_test=6, out_dir=str(tmp_path / method))
+    summary = train(cfg, bb, progress=False)
+    run = tmp_path / method
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["method"] == method and set(saved["test"]) == {"accuracy", "macro_f1"}
+    log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    if method in ("zero-shot", "majority"):
+        assert summary["steps"] == 0 and summary["n_trainable"] == 0
+    else:
+        assert summary["steps"] == 3 and [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3]
+        assert [r["step"] for r in log if r["kind"] == "eval"] == [2, 3]
+        assert summary["n_trainable"] > 0
+    if method in ("capt", "deep-prompt-1"):
+        cap, task = capt.load_capsule(run / "capsule", bb)
+        assert task.name == "cb" and cap.n_capsule_params() == summary["n_trainable"]
+        assert json.loads((run / "capsule" / "capsule.json").read_text())["metrics"] == summary["test"]
+        if method == "deep-prompt-1":
+            assert cap.config.fusion == "none"
+    assert log[-1]["kind"] == "done"
+
+
+def test_loss_goes_down_on_a_learnable_task(toy_csv, tmp_path):
+    losses = []
+    summary = train(toy(toy_csv, tmp_path, lr=0.1, max_steps=40, eval_every=10),
+                    callback=lambda e: e["kind"] == "step" and losses.append(e["loss"]), progress=False)
+    assert sum(losses[-8:]) / 8 < 0.5 * sum(losses[:8]) / 8
+    assert summary["test"]["accuracy"] == 1.0
+
+
+def test_callback_reports_progress(toy_csv, tmp_path):
+    events = []
+    train(toy(toy_csv, tmp_path, max_steps=4), callback=events.append, progress=False)
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4] and all(e["total_steps"] == 4 for e in steps)
+    assert all(e["examples_per_s"] > 0 and e["eta_s"] >= 0 for e in steps) and steps[-1]["eta_s"] == 0
+    assert events[-1]["kind"] == "done"
+
+
+def test_stop_ends_within_one_step_and_keeps_the_best(toy_csv, tmp_path):
+    stop = threading.Event()
+
+    def on_event(e):
+        if e["kind"] == "step" and e["step"] == 3:
+            stop.set()
+
+    summary = train(toy(toy_csv, tmp_path, max_steps=50), callback=on_event, stop=stop, progress=False)
+    assert summary["steps"] == 3 and summary["stopped_by"] == "stop requested"
+    assert (tmp_path / "run" / "capsule" / "capsule.safetensors").exists()
+    assert summary["best_step"] in (2, 3)
+
+
+def test_resume_continues_where_it_stopped(toy_csv, tmp_path):
+    """Stop after 4 steps, resume to 8: same capsule as 8 uninterrupted steps, log without repeats."""
+    straight = train(toy(toy_csv, tmp_path / "a", max_steps=8, eval_every=1), progress=False)
+    stop = threading.Event()
+    cfg = toy(toy_csv, tmp_path / "b", max_steps=8, eval_every=1)
+    train(cfg, callback=lambda e: e["kind"] == "eval" and e["step"] == 4 and stop.set(), stop=stop, progress=False)
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed["steps"] == 8 and straight["steps"] == 8
+    a = load_file(str(tmp_path / "a" / "run" / "checkpoint" / "state.safetensors"))
+    b = load_file(str(tmp_path / "b" / "run" / "checkpoint" / "state.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if k.startswith("param/"))
+    log = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
+
+
+def test_several_seeds_are_averaged(toy_csv, tmp_path):
+    summary = train_seeds(toy(toy_csv, tmp_path, max_steps=2), [0, 1], progress=False)
+    assert summary["seeds"] == [0, 1] and len(summary["runs"]) == 2
+    assert "accuracy_std" in summary["test"] and (tmp_path / "run" / "capsule" / "capsule.json").exists()
+    assert (tmp_path / "run" / "seed-0" / "summary.json").exists()
+
+
+def test_compare_gives_one_row_per_method(toy_csv, tmp_path):
+    rows = compare(toy(toy_csv, tmp_path, max_steps=2), ["capt", "zero-shot", "majority", "linear-head"],
+                   progress=False)
+    assert [r["method"] for r in rows] == ["capt", "zero-shot", "majority", "linear-head"]
+    table = format_table(rows)
+    assert table.count("\n") == 5 and "| capt | 128 |" in table
+    assert json.loads((tmp_path / "run" / "compare.json").read_text())["rows"] == rows
+
+
+def test_cli_runs_and_prints_a_summary(toy_csv, tmp_path, capsys):
+    code = cli(["--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields", "text",
+                "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "2", "--quiet",
+                "--out", str(tmp_path / "cli"), "--fusion", "project", "--layers", "0,2"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "capt" and out["n_trainable"] == 2 * 32 + 2 * 2 * 32 * 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "nope"], "unknown task 'nope'"),
+    (["--method", "lora"], "unknown method 'lora'"),
+    (["--lr", "-1"], "lr=-1.0 is out of range"),
+    (["--max-steps", "0"], "max_steps=0 is out of range"),
+    (["--fusion", "sum"], "fusion='sum' is not valid"),
+    (["--data-file", "x.csv"], "needs fields"),
+])
+def test_bad_input_fails_before_training_with_a_clear_message(args, message, capsys, tmp_path):
+    code = cli(["--backbone", "tiny-llama", "--out", str(tmp_path / "r")] + args)
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "r" / "capsule").exists()
+
+
+def test_bad_data_files_are_refused(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text,y\nhello,a\nworld,zzz\n")
+    cfg = TrainConfig(task="toy", backbone="tiny-llama", data_file=str(bad), fields=["text"], label_column="y",
+                      label_words={"a": " the", "b": " a"})
+    with pytest.raises(capt.CaptError, match="zzz"):
+        train(cfg, progress=False)
+    cfg = TrainConfig(task="toy", backbone="tiny-llama", data_file=str(bad), fields=["review"], label_column="y",
+                      label_words={"a": " the", "b": " a"})
+    with pytest.raises(capt.CaptError, match="review"):
+        train(cfg, progress=False)
+
+
+def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
+    from train.card import main as card
+
+    run = tmp_path / "cmp"
+    code = cli(["compare", "--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields",
+                "text", "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "2", "--quiet",
+                "--methods", "capt", "zero-shot", "majority", "--out", str(run)])
+    assert code == 0 and "| majority |" in capsys.readouterr().out
+    assert json.loads((run / "compare.json").read_text())["command"].startswith("python -m train compare")
+    assert card([str(run), "--to", str(tmp_path / "shipped" / "toy")]) == 0
+    shipped = tmp_path / "shipped" / "toy"
+    text = (shipped / "README.md").read_text()
+    assert "python -m train compare" in text and "| zero-shot |" in text and "| majority |" in text
+    capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
+    assert task.name == "toy"

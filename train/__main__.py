@@ -1,0 +1,118 @@
+"""Train a capsule (or a baseline) from the command line.
+
+    python -m train --task rte --out runs/rte                         # CaPT on the embedded SmolLM2-135M
+    python -m train --task cb --method p-tuning-v2 --max-steps 200
+    python -m train --task rte --fusion project --layers odd --seeds 0 1 2
+    python -m train compare --task cb --methods capt zero-shot majority linear-head p-tuning-v2
+    python -m train --task sentiment --data-file reviews.csv --fields review --label-words pos=good neg=bad
+    accelerate launch -m train --task boolq --backbone t5-base        # several GPUs, no code change
+
+Everything it does is capt.training.train / train_seeds / compare; this file only parses arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from capt.errors import CaptError
+from capt.methods import METHODS
+from capt.training import TrainConfig, compare, format_table, train_seeds
+
+
+def _pairs(items: list[str] | None, what: str) -> dict | None:
+    if not items:
+        return None
+    bad = [i for i in items if "=" not in i]
+    if bad:
+        raise CaptError(f"{what} takes key=value pairs, got {bad}")
+    return dict(i.split("=", 1) for i in items)
+
+
+def _command(argv: list[str]) -> str:
+    return "python -m train " + " ".join(shlex.quote(a) for a in argv)
+
+
+def parser(compare_mode: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train" + (" compare" if compare_mode else ""),
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", default="smollm2-135m")
+    p.add_argument("--task", default="rte", help="boolq, cb, copa, multirc, rte, wic, or a name for --data-file")
+    if compare_mode:
+        p.add_argument("--methods", nargs="+", default=["capt", "zero-shot", "majority", "linear-head", "p-tuning-v2"],
+                       help=f"any of: {', '.join(METHODS)}")
+    else:
+        p.add_argument("--method", default="capt", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--lr", type=float, help="default per method: capt 3e-2, linear-head 1e-3, prompt-tuning 3e-1, "
+                                            "p-tuning-v2 1e-2")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=50)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--max-minutes", type=float)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--patience", type=int, default=10)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--max-train", type=int)
+    p.add_argument("--max-dev", type=int)
+    p.add_argument("--max-test", type=int)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--num-virtual-tokens", type=int, default=20)
+    p.add_argument("--fusion", help="add, prepend, extract, project, none")
+    p.add_argument("--placement", help="slot, inplace")
+    p.add_argument("--layers", help="all, odd, even, first_half, latter_half, or a comma list like 0,2,5")
+    p.add_argument("--head", help="verbalizer, linear")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--data-dir")
+    p.add_argument("--source", help="a hub dataset id, e.g. aps/super_glue")
+    p.add_argument("--data-file", help="your CSV/JSONL training data")
+    p.add_argument("--test-file")
+    p.add_argument("--fields", nargs="+", help="input fields of --data-file's task")
+    p.add_argument("--columns", nargs="+", help="field=column pairs when the file's columns differ")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--label-words", nargs="+", help="label=word pairs, e.g. 1=yes 0=no")
+    p.add_argument("--out", help="run folder: metrics.jsonl, summary.json, checkpoint/, capsule/")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from(args) -> TrainConfig:
+    capsule = {k: getattr(args, k) for k in ("fusion", "placement", "head") if getattr(args, k)}
+    if args.layers:
+        capsule["layers"] = ([int(x) for x in args.layers.split(",")] if args.layers[0].isdigit() else args.layers)
+    return TrainConfig(
+        task=args.task, method=getattr(args, "method", "capt"), backbone=args.backbone, lr=args.lr,
+        batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps, max_minutes=args.max_minutes,
+        eval_every=args.eval_every, patience=args.patience, max_train=args.max_train, max_dev=args.max_dev,
+        max_test=args.max_test, warmup_steps=args.warmup_steps, num_virtual_tokens=args.num_virtual_tokens,
+        capsule=capsule, dtype=args.dtype, data_dir=args.data_dir, source=args.source, data_file=args.data_file,
+        test_file=args.test_file, fields=args.fields, columns=_pairs(args.columns, "--columns"),
+        label_column=args.label_column, label_words=_pairs(args.label_words, "--label-words"), out_dir=args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    compare_mode = bool(argv) and argv[0] == "compare"
+    args = parser(compare_mode).parse_args(argv[1:] if compare_mode else argv)
+    try:
+        cfg = config_from(args)
+        if compare_mode:
+            rows = compare(cfg, args.methods, args.seeds, progress=not args.quiet)
+            print(format_table(rows))
+            if cfg.out_dir:  # the model card quotes the exact command
+                path = Path(cfg.out_dir) / "compare.json"
+                path.write_text(json.dumps({**json.loads(path.read_text()), "command": _command(argv)}, indent=2))
+        else:
+            summary = train_seeds(cfg, args.seeds, resume=args.resume, progress=not args.quiet)
+            print(json.dumps({k: summary[k] for k in ("method", "task", "backbone", "n_trainable", "test", "dev",
+                                                      "train_seconds") if k in summary}, indent=2))
+    except CaptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Speed benchmark: what one training step and one prediction cost with CaPT, against the floor and PEFT.
+
+    python -m train.bench --backbone smollm2-135m [--batch-size 8 --seq-len 128 --repeats 5 --warmup 1]
+
+Training step = forward + backward + AdamW step (where there are parameters), on the same seeded batches
+of random token ids (batch_size rows of exactly seq_len real tokens, no padding), with one loss for all:
+log-softmax of the LM head at the last position, the two label words picked, cross-entropy (as CaPT).
+    floor              frozen backbone, backward to inputs_embeds only: no method can train for less
+    capt               the default capsule (Capsule.for_backbone), through capt.capsule.run
+    prompt-tuning-m    PEFT PromptTuning with m = 20, 100 virtual tokens (capt.peft_baselines)
+    p-tuning-v2-m      PEFT PrefixTuning with m = 20, 100 (a K/V prefix at every layer)
+Prediction = forward only, no grad, batch 1, seq_len tokens, with and without the capsule.
+
+Why round-robin: a shared CPU drifts (another job starts, the clock throttles, caches warm). Timing
+method A for five steps and then method B would put that drift into the A/B ratio; instead round r
+runs every method once (order rotated each round) on batch r, so noise hits every method alike,
+and each method's median over rounds is compared with the floor's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from capt.backbones import load_backbone
+from capt.capsule import Capsule, build_inputs, run
+from capt.errors import CaptError
+from capt.scoring import lm_logits
+from capt.tasks import custom_task
+
+PEFT_ROWS = [("prompt-tuning", 20), ("prompt-tuning", 100), ("p-tuning-v2", 20), ("p-tuning-v2", 100)]
+TARGETS = {"step": 1.03, "predict": 1.05}  # CaPT step <= 1.03x floor; prediction <= 1.05x without capsule
+
+
+def measure(fn, repeats: int, warmup: int) -> list[float]:
+    """Wall seconds (time.perf_counter) of each of `repeats` calls of fn(), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def round_robin(fns: dict, batches: list, warmup: int) -> dict[str, list[float]]:
+    """Round r runs every fn once on batches[r], order rotated per round; the first `warmup` rounds
+    are untimed. Returns each fn's times over the timed rounds."""
+    names, times = list(fns), {name: [] for name in fns}
+    for r, batch in enumerate(batches):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            timed = r >= warmup
+            times[name] += measure(lambda: fns[name](batch), repeats=int(timed), warmup=int(not timed))
+    return times
+
+
+# --- the steps ---------------------------------------------------------------------------------
+
+def label_loss(logp: torch.Tensor, label_ids: list[int], y: torch.Tensor) -> torch.Tensor:
+    """(B, V) log-probs at the last position -> CE over the two label words (CaPT's verbalizer loss)."""
+    return F.cross_entropy(logp[:, label_ids], y)
+
+
+def floor_loss(bb, ids, mask, label_ids, y):
+    """The frozen backbone with no method: run()'s path without hooks, inputs_embeds requiring grad."""
+    inp = build_inputs(bb, None, ids, mask)
+    embeds = inp.embeds.requires_grad_()  # frozen embedding -> a leaf; backward stops here
+    with bb.lock:
+        out = bb.model.model(inputs_embeds=embeds, attention_mask=inp.attention_mask,
+                             position_ids=inp.position_ids, use_cache=False)
+    logp = torch.log_softmax(lm_logits(bb, out.last_hidden_state[:, -1]).float(), -1)
+    return label_loss(logp, label_ids, y)
+
+
+def capt_loss(bb, capsule, ids, mask, label_ids, y):
+    """What capt.scoring.score computes for single-token labels, on token ids (no padding: last = -1)."""
+    out, _ = run(bb, capsule, ids, mask)
+    logp = torch.log_softmax(lm_logits(bb, out.last_hidden_state[:, -1]).float(), -1)
+    return label_loss(logp, label_ids, y)
+
+
+def peft_loss(method, ids, mask, label_ids, y):
+    """PeftMethod's own forward (virtual tokens offset, LM head only at the last real token)."""
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    keep[:, -1] = True
+    return label_loss(method._log_probs(ids, mask, keep), label_ids, y)
+
+
+def train_step(loss_fn, params: list):
+    """forward + backward (+ AdamW step when there are parameters) as one callable on a batch."""
+    opt = torch.optim.AdamW(params, lr=1e-3) if params else None
+
+    def step(batch):
+        ids, mask, y = batch
+        loss = loss_fn(ids, mask, y)
+        if opt:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if opt:
+            opt.step()
+    return step
+
+
+def predict_step(bb, capsule):
+    """Forward only, no grad, batch 1: the backbone with or without the capsule, LM head at the end."""
+    @torch.no_grad()
+    def step(batch):
+        ids, mask, _ = batch
+        out, _ = run(bb, capsule, ids[:1], mask[:1])
+        lm_logits(bb, out.last_hidden_state[:, -1])
+    return step
+
+
+# --- the benchmark -----------------------------------------------------------------------------
+
+def make_batches(bb, n: int, batch_size: int, seq_len: int, seed: int):
+    """n seeded batches of random non-special token ids, all real (mask of ones), random 0/1 labels."""
+    tok = bb.tokenizer
+    vocab = min(len(tok), bb.model.config.vocab_size)
+    low = max(tok.all_special_ids) + 1 if max(tok.all_special_ids) < vocab // 2 else 0
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(low, vocab, (batch_size, seq_len), generator=g)
+        y = torch.randint(0, 2, (batch_size,), generator=g)
+        out.append((ids.to(bb.device), torch.ones_like(ids).to(bb.device), y.to(bb.device)))
+    return out
+
+
+def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int = 5, warmup: int = 1,
+          seed: int = 0, bb=None) -> dict:
+    """Run every method round-robin; returns the numbers `format_table` prints (and --json writes)."""
+    from capt.peft_baselines import PeftMethod
+
+    torch.manual_seed(seed)
+    bb = bb or load_backbone(backbone)
+    if bb.encoder_decoder:
+        raise CaptError("the benchmark covers decoder-only backbones; give e.g. smollm2-135m or tiny-llama")
+    if min(batch_size, seq_len, repeats) < 1 or warmup < 0:
+        raise CaptError("batch-size, seq-len and repeats must be at least 1, warmup at least 0")
+    task = custom_task("bench", ["text"], {"yes": " yes", "no": " no"})
+    label_ids = [bb.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")]
+    capsule = Capsule.for_backbone(bb, seed=seed)
+    steps = {"floor": (train_step(lambda i, m, y: floor_loss(bb, i, m, label_ids, y), []), 0),
+             "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
+                                 list(capsule.parameters())), capsule.n_capsule_params())}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for kind, m in PEFT_ROWS:
+            method = PeftMethod(bb, task, kind, num_virtual_tokens=m, seed=seed)
+            params = [p for p in method.parameters() if p.requires_grad]
+            steps[f"{kind}-{m}"] = (train_step(lambda i, mk, y, me=method: peft_loss(me, i, mk, label_ids, y),
+                                               params), method.n_trainable())
+        fns = {name: fn for name, (fn, _) in steps.items()}
+        fns.update({"predict": predict_step(bb, None), "predict+capsule": predict_step(bb, capsule)})
+        times = round_robin(fns, make_batches(bb, warmup + repeats, batch_size, seq_len, seed), warmup)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = [{"name": name, "trainable": n, "median_s": med[name], "ratio": med[name] / med["floor"]}
+            for name, (_, n) in steps.items()]
+    pred_ratio = med["predict+capsule"] / med["predict"]
+    return {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats,
+            "warmup": warmup, "threads": torch.get_num_threads(), "rows": rows, "times": times,
+            "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred_ratio},
+            "targets": {"capt_step": rows[1]["ratio"] <= TARGETS["step"], "predict": pred_ratio <= TARGETS["predict"]}}
+
+
+def format_table(res: dict) -> str:
+    ok = lambda b: "PASS" if b else "FAIL"  # noqa: E731
+    p, capt_row = res["predict"], res["rows"][1]
+    lines = [f"Backbone {res['backbone']}: batch {res['batch_size']} x {res['seq_len']} tokens, "
+             f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup), {res['threads']} threads",
+             "", "| name | trainable params | median step s | x floor |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} |" for r in res["rows"]]
+    lines += ["", "| prediction (batch 1) | median s |", "|---|---:|",
+              f"| without capsule | {p['without_s']:.4f} |", f"| with capsule | {p['with_s']:.4f} |",
+              f"| ratio | {p['ratio']:.3f} |", "",
+              f"- CaPT step <= {TARGETS['step']}x floor: {ok(res['targets']['capt_step'])} ({capt_row['ratio']:.3f}x)",
+              f"- prediction with capsule <= {TARGETS['predict']}x without: {ok(res['targets']['predict'])} "
+              f"({p['ratio']:.3f}x)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backbone", default="smollm2-135m")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="also write the numbers here")
+    a = ap.parse_args(argv)
+    try:
+        res = bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed)
+    except CaptError as e:
+        sys.exit(f"error: {e}")
+    print(format_table(res))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

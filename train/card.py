@@ -1,0 +1,116 @@
+"""Turn a `python -m train compare ... --out RUN` folder into a shipped capsule with its model card.
+
+    python -m train.card runs/cb --to capsules/smollm2-135m/cb
+
+Copies RUN/capt/capsule (capsule.json + capsule.safetensors) and writes README.md beside it with the
+exact command, the data split, the training time measured on this machine and the test metrics of every
+method in RUN/compare.json. Every number in the card is read from the run's own files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def card_text(compare: dict, summary: dict, command: str) -> str:
+    rows = compare["rows"]
+    metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
+    head = "| method | trainable params | train time (s) | " + " | ".join(k[5:] for k in metric_keys) + " |"
+    table = [head, "|" + "---|" * (3 + len(metric_keys))]
+    for r in rows:
+        table.append(f"| {r['method']} | {r['trainable']:,} | {r['train_seconds']:.0f} | "
+                     + " | ".join(_pct(r[k]) for k in metric_keys) + " |")
+    cfg = summary["config"]
+    capt_row = next(r for r in rows if r["method"] == "capt")
+    beats = [r["method"] for r in rows if r["method"] in ("zero-shot", "majority")
+             and capt_row[metric_keys[0]] <= r[metric_keys[0]]]
+    verdict = ("CaPT beats zero-shot and majority class on this split." if not beats else
+               f"CaPT does NOT beat {' and '.join(beats)} on this split (see the notes below).")
+    options = {k: v for k, v in cfg["capsule"].items()} or "defaults (add fusion, slot, all layers, verbalizer)"
+    return f"""---
+library_name: capt
+tags: [capt, capsule-prompt-tuning, peft, superglue]
+base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+---
+# CaPT capsule: {summary['task']} on {summary['backbone']}
+
+A Capsule Prompt-Tuning capsule ({summary['n_trainable']:,} trainable numbers, {100 * summary['n_trainable'] /
+summary['backbone_params']:.4f} % of the backbone) for SuperGLUE **{summary['task']}** on
+`{summary['backbone']}` ({summary['backbone_revision']}). Capsule options: {options}.
+
+```python
+import capt
+bb = capt.load_backbone("{summary['backbone']}")
+capsule, task = capt.load_capsule("capsules/{summary['backbone']}/{summary['task']}", bb)
+capt.predict(bb, task, example, capsule=capsule)
+```
+
+## How it was made
+
+```bash
+{command}
+```
+
+- Data: {summary['data']}; {summary['n_train']} train, {summary['n_dev']} dev (model selection), {summary['n_test']}
+  test examples.
+- Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
+  batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else 'method default'}, seed {cfg['seed']},
+  {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.
+
+## Test results (same split, same loop, `python -m train compare`)
+
+{chr(10).join(table)}
+
+{verdict}
+
+Metrics are percentages on the test split named above. Majority class always predicts the most frequent
+training label; zero-shot is the bare backbone scoring the label words with the same prompt.
+"""
+
+
+def _machine() -> str:
+    return f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}" + (
+        ", CUDA" if torch.cuda.is_available() else ", no GPU")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.card", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="the --out folder of a `python -m train compare` run that included capt")
+    p.add_argument("--to", required=True, help="the shipped capsule folder to write")
+    args = p.parse_args(argv)
+    run = Path(args.run)
+    try:
+        compare = json.loads((run / "compare.json").read_text())
+        summary = json.loads((run / "capt" / "summary.json").read_text())
+    except FileNotFoundError as e:
+        print(f"error: {e.filename} is missing: give the --out folder of a compare run that included capt",
+              file=sys.stderr)
+        return 2
+    command = compare.get("command", "(command not recorded)")
+    target = Path(args.to)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(run / "capt" / "capsule", tmp)
+    (tmp / "README.md").write_text(card_text(compare, summary, command))
+    (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
