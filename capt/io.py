@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -58,12 +59,22 @@ def save_capsule(capsule: Capsule, folder: str | Path, backbone: Backbone, task:
         "metrics": metrics or capsule.meta.get("metrics"),
     }
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in capsule.state_dict().items()}
+    with atomic_folder(folder) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
+    return folder
+
+
+@contextmanager
+def atomic_folder(folder: Path):
+    """Yield a temporary folder beside `folder`; on success it replaces `folder` in one rename (an older
+    folder is swapped out only once the new one is complete); on failure nothing is left behind."""
+    folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
-        if folder.exists():  # replace an older capsule only once the new one is complete
+        yield tmp
+        if folder.exists():
             old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
             os.replace(folder, old)
             os.replace(tmp, folder)
@@ -72,7 +83,6 @@ def save_capsule(capsule: Capsule, folder: str | Path, backbone: Backbone, task:
             os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def read_config(folder: str | Path) -> dict:

@@ -37,6 +37,7 @@ class Method(nn.Module):
     """Base: no parameters. Subclasses set `name` and implement `scores`."""
 
     name = "method"
+    artifact = "capsule"  # the run sub-folder save() writes
 
     def __init__(self, backbone: Backbone, task: Task):
         super().__init__()

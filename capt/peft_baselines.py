@@ -13,9 +13,6 @@ Method's module tree and only its prompt encoder is registered here.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import torch
 from .backbones import Backbone
 from .errors import CaptError
 from .seeding import seeded
-from .io import task_to_dict
+from .io import atomic_folder, task_to_dict
 from .methods import Method
 from .scoring import Scores, _last_real, encode_prompts, pad
 from .tasks import Rendered, Task
@@ -34,6 +31,8 @@ KINDS = ("prompt-tuning", "p-tuning-v2")
 
 class PeftMethod(Method):
     """A PEFT prompt-learning baseline on a shared, frozen backbone; `name` is one of KINDS."""
+
+    artifact = "adapter"  # a PEFT adapter folder, not a capsule
 
     def __init__(self, backbone: Backbone, task: Task, name: str, num_virtual_tokens: int = 20, seed: int = 0):
         super().__init__(backbone, task)
@@ -155,21 +154,10 @@ class PeftMethod(Method):
         """PEFT's own adapter folder (adapter_config.json, adapter_model.safetensors) plus capt.json
         (backbone, task, training, metrics), written to a temp folder that is renamed into place."""
         folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-        try:
+        with atomic_folder(folder) as tmp:
             self.peft[0].save_pretrained(str(tmp), safe_serialization=True)
             meta = {"method": self.name, "num_virtual_tokens": self.m, "n_trainable": self.n_trainable(),
                     "backbone": self.bb.describe(), "task": task_to_dict(self.task),
                     "training": training, "metrics": metrics}
             (tmp / "capt.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-            if folder.exists():  # replace an older one only once the new one is complete
-                old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-                os.replace(folder, old)
-                os.replace(tmp, folder)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return folder

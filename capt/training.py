@@ -273,7 +273,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
                    train_seconds=round(state["elapsed"], 1), wall_seconds=round(time.time() - started, 1),
                    dev=dev, test=test)
     if run.dir:
-        artifact = method.save(run.dir / "capsule", training=summary, metrics=test)
+        artifact = method.save(run.dir / method.artifact, training=summary, metrics=test)
         summary["artifact"] = str(artifact) if artifact else None
         run.write_json("summary.json", summary)
         run.log({"kind": "done", "test": test, "dev": dev})
@@ -425,8 +425,8 @@ def train_seeds(cfg: TrainConfig, seeds: list[int], backbone: Backbone | None = 
     best = max(range(len(runs)), key=lambda i: runs[i]["dev"][key])
     summary["best_seed"] = seeds[best]
     if cfg.out_dir and runs[best].get("artifact"):
-        target = Path(cfg.out_dir) / "capsule"
-        tmp = Path(cfg.out_dir) / ".capsule.tmp"
+        target = Path(cfg.out_dir) / Path(runs[best]["artifact"]).name
+        tmp = Path(cfg.out_dir) / f".{target.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(runs[best]["artifact"], tmp)
         shutil.rmtree(target, ignore_errors=True)
