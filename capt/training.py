@@ -286,7 +286,8 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
     rendered = [task.render(e, bb.style) for e in data.train]
     labels = torch.tensor([r.label for r in rendered], device=bb.device)
     lengths = [len(r.prompt) for r in rendered]  # characters: a cheap, monotone proxy for tokens
-    per_epoch = math.ceil(len(rendered) / cfg.batch_size)
+    world = accelerator.num_processes
+    per_epoch = max(1, math.ceil(len(rendered) / cfg.batch_size) // world)  # steps per process and epoch
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     params = [p for p in method.parameters() if p.requires_grad]
     # this session's clock (a resumed run adds the elapsed time it brought from its checkpoint)
@@ -312,13 +313,12 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
 
     while state["step"] < total:
         batches = bucketed_batches(lengths, cfg.batch_size, cfg.seed, state["epoch"])
-        batches = batches[accelerator.process_index::accelerator.num_processes]
+        # every process takes the same number of steps (the gradient averaging pairs them up)
+        batches = batches[accelerator.process_index:per_epoch * world:world]
         for b in batches[state["batch"]:]:
-            if stop is not None and stop.is_set():
-                state["stopped_by"] = "stop requested"
-                break
-            if cfg.max_minutes and before + time.time() - session > cfg.max_minutes * 60:
-                state["stopped_by"] = "max_minutes"
+            reason = _stop_reason(cfg, stop, before + time.time() - session, accelerator)
+            if reason:
+                state["stopped_by"] = reason
                 break
             lr = cfg.learning_rate * min(1.0, (state["step"] + 1) / max(1, cfg.warmup_steps))
             for group in optimizer.param_groups:
@@ -361,6 +361,20 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
     if state["step"] % cfg.eval_every != 0 or state["best"] == -math.inf:
         evaluate_and_keep()  # the last steps count too
     bar.close()
+
+
+def _stop_reason(cfg: TrainConfig, stop, elapsed: float, accelerator) -> str | None:
+    """Why to stop before the next step; all processes agree, so none waits for a step that never comes."""
+    reason = None
+    if stop is not None and stop.is_set():
+        reason = "stop requested"
+    elif cfg.max_minutes and elapsed > cfg.max_minutes * 60:
+        reason = "max_minutes"
+    if accelerator.num_processes > 1:
+        flag = torch.tensor([0.0 if reason is None else 1.0], device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0:
+            reason = reason or "another process stopped"
+    return reason
 
 
 def _finite(x: float) -> float | None:

@@ -172,3 +172,23 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     assert "python -m train compare" in text and "| zero-shot |" in text and "| majority |" in text
     capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
     assert task.name == "toy"
+
+
+def test_two_processes_under_accelerate_launch(toy_csv, tmp_path):
+    """The unchanged CLI under `accelerate launch` (2 CPU processes, gloo): batches sharded, gradients
+    averaged, both processes take the same steps and finish."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "train", "--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv),
+           "--fields", "text", "--label-column", "y", "--label-words", "a= the", "b= a",
+           "--max-steps", "4", "--eval-every", "2", "--quiet", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    capt.load_capsule(out / "capsule", tiny("tiny-llama"))

@@ -1,0 +1,157 @@
+"""Plotly figures for the app: label probabilities, attention maps, anchor mass, training curves.
+
+Plotly is imported inside each function, so `import capt` stays light and plotting is optional.
+Every function takes plain data (dicts, numpy arrays, an AttentionReport) and returns a
+`plotly.graph_objects.Figure`; nothing here knows about Gradio.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+WITH_COLOR, WITHOUT_COLOR = "#d9480f", "#748ffc"
+_MAX_TICKS = 60  # longer inputs label every k-th token so the axes stay readable
+
+
+def _go():
+    import plotly.graph_objects as go
+    return go
+
+
+def _layout(fig, title: str, height: int = 360):
+    fig.update_layout(title={"text": title, "font": {"size": 14}}, height=height, template="plotly_white",
+                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
+    return fig
+
+
+def probs_figure(labels: list[str], with_capsule: dict[str, float] | None, without: dict[str, float] | None,
+                 capsule_name: str = "capsule", title: str = "Label probabilities") -> "object":
+    """Grouped bars: each label's probability with the capsule and without it (the bare backbone)."""
+    go = _go()
+    fig = go.Figure()
+    for name, probs, color in ((f"with {capsule_name}", with_capsule, WITH_COLOR),
+                               ("without capsule (zero-shot)", without, WITHOUT_COLOR)):
+        if probs is None:
+            continue
+        values = [probs.get(lab, 0.0) for lab in labels]
+        fig.add_bar(name=name, x=list(labels), y=values, marker_color=color,
+                    text=[f"{100 * v:.1f}%" for v in values], textposition="outside")
+    fig.update_layout(barmode="group", yaxis={"range": [0, 1.12], "title": "probability", "tickformat": ".0%"},
+                      legend={"orientation": "h", "y": -0.15})
+    return _layout(fig, title)
+
+
+def _tick_labels(tokens: list[str]) -> tuple[list[int], list[str]]:
+    step = max(1, math.ceil(len(tokens) / _MAX_TICKS))
+    shown = list(range(0, len(tokens), step))
+    return shown, [f"{i}:{_clean(tokens[i])}" for i in shown]
+
+
+def _clean(token: str) -> str:
+    token = token.replace("\n", "⏎").replace("\t", "⇥")
+    token = token if token.strip() else token.replace(" ", "␣")
+    return token[:18]
+
+
+def attention_figure(report, layer: int | None = None, head: int | None = None, title: str = "",
+                     zmax: float | None = None) -> "object":
+    """(T, T) attention heatmap (row = query, column = key), mean over layers/heads where None,
+    with the anchor's column and row outlined (the capsule slot, or position 0 / BOS without one)."""
+    go = _go()
+    z = report.mean_map(layer, head)
+    tokens = list(report.tokens)
+    hover = [[f"query {q}: {_clean(tokens[q])}<br>key {k}: {_clean(tokens[k])}<br>attention {z[q, k]:.4f}"
+              for k in range(len(tokens))] for q in range(len(tokens))]
+    fig = go.Figure(go.Heatmap(z=z, zmin=0.0, zmax=zmax if zmax is not None else float(z.max()),
+                               colorscale="Viridis", hoverinfo="text", text=hover,
+                               colorbar={"title": "attn"}))
+    a, n = report.anchor, len(tokens)
+    outline = {"color": "#ff6b6b", "width": 2}
+    fig.add_shape(type="rect", x0=a - 0.5, x1=a + 0.5, y0=-0.5, y1=n - 0.5, line=outline)
+    fig.add_shape(type="rect", x0=-0.5, x1=n - 0.5, y0=a - 0.5, y1=a + 0.5, line={**outline, "dash": "dot"})
+    fig.add_annotation(x=a, y=-0.5, text=f"{report.anchor_label}", showarrow=True, arrowhead=2, ax=30, ay=-28,
+                       font={"color": "#c92a2a"})
+    ticks, text = _tick_labels(tokens)
+    fig.update_xaxes(tickvals=ticks, ticktext=text, tickangle=-60, tickfont={"size": 9}, title="key (attended to)")
+    fig.update_yaxes(tickvals=ticks, ticktext=text, tickfont={"size": 9}, autorange="reversed",
+                     title="query (attending)")
+    where = ("mean over layers and heads" if layer is None and head is None else
+             f"layer {layer if layer is not None else 'mean'}, head {head if head is not None else 'mean'}")
+    return _layout(fig, f"{title} — {where}" if title else where, height=max(420, min(900, 14 * n + 160)))
+
+
+def anchor_mass_figure(report, title: str = "", zmax: float | None = None) -> "object":
+    """(layers, heads) heatmap of the attention the other tokens pay to the anchor."""
+    go = _go()
+    mass = report.anchor_mass()
+    layers, heads = mass.shape
+    fig = go.Figure(go.Heatmap(z=mass, x=list(range(heads)), y=list(range(layers)), zmin=0.0,
+                               zmax=zmax if zmax is not None else float(mass.max() or 1.0), colorscale="Magma",
+                               colorbar={"title": "mass"},
+                               hovertemplate="layer %{y}, head %{x}<br>mass on anchor %{z:.3f}<extra></extra>"))
+    fig.update_xaxes(title="head", dtick=1)
+    fig.update_yaxes(title="layer", autorange="reversed", dtick=1 if layers <= 32 else None)
+    name = f"attention mass on {report.anchor_label} (mean over the other tokens)"
+    return _layout(fig, f"{title} — {name}" if title else name, height=max(320, min(700, 18 * layers + 140)))
+
+
+def anchor_by_layer_figure(with_report, without_report, capsule_name: str = "capsule") -> "object":
+    """Per layer, the mean (over heads and tokens) attention paid to the anchor: capsule vs sink."""
+    go = _go()
+    fig = go.Figure()
+    for report, name, color in ((with_report, f"with {capsule_name}: {getattr(with_report, 'anchor_label', '')}",
+                                 WITH_COLOR),
+                                (without_report, f"without: {getattr(without_report, 'anchor_label', '')}",
+                                 WITHOUT_COLOR)):
+        if report is None:
+            continue
+        per_layer = report.anchor_mass().mean(1)
+        fig.add_scatter(x=list(range(len(per_layer))), y=per_layer, mode="lines+markers", name=name,
+                        line={"color": color})
+    fig.update_xaxes(title="layer", dtick=1 if fig.data and len(fig.data[0].x) <= 32 else None)
+    fig.update_yaxes(title="attention on anchor", rangemode="tozero")
+    fig.update_layout(legend={"orientation": "h", "y": -0.2})
+    return _layout(fig, "Anchor vs. sink: attention paid to position 0, per layer")
+
+
+def loss_figure(steps: list[int], losses: list[float]) -> "object":
+    """Training loss per step, raw and smoothed (exponential moving average)."""
+    go = _go()
+    fig = go.Figure()
+    fig.add_scatter(x=list(steps), y=list(losses), mode="lines", name="loss", line={"color": "#adb5bd"})
+    if len(losses) > 2:
+        smooth, s = [], losses[0]
+        for v in losses:
+            s = 0.9 * s + 0.1 * v
+            smooth.append(s)
+        fig.add_scatter(x=list(steps), y=smooth, mode="lines", name="smoothed", line={"color": WITH_COLOR})
+    fig.update_xaxes(title="step", rangemode="tozero")
+    fig.update_yaxes(title="cross-entropy")
+    fig.update_layout(legend={"orientation": "h", "y": -0.2})
+    return _layout(fig, "Training loss", height=320)
+
+
+def dev_figure(evals: list[dict], metric: str) -> "object":
+    """Dev metrics at each evaluation (percent); `evals` are training 'eval' events."""
+    go = _go()
+    fig = go.Figure()
+    names = list(evals[0]["dev"]) if evals else [metric]
+    for name in names:
+        fig.add_scatter(x=[e["step"] for e in evals], y=[100 * e["dev"][name] for e in evals],
+                        mode="lines+markers", name=f"dev {name}")
+    best = [e for e in evals if e.get("improved")]
+    if best:
+        b = best[-1]
+        fig.add_scatter(x=[b["step"]], y=[100 * b["dev"][metric]], mode="markers", name="best (kept)",
+                        marker={"symbol": "star", "size": 14, "color": WITH_COLOR})
+    fig.update_xaxes(title="step", rangemode="tozero")
+    fig.update_yaxes(title="%", range=[0, 100])
+    fig.update_layout(legend={"orientation": "h", "y": -0.2})
+    return _layout(fig, f"Dev metrics (selection: {metric})", height=320)
+
+
+def shared_max(*arrays: np.ndarray | None) -> float:
+    """One colour range for side-by-side maps, so 'with' and 'without' compare at a glance."""
+    values = [float(np.max(a)) for a in arrays if a is not None and np.size(a)]
+    return max(values) if values else 1.0
