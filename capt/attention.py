@@ -68,11 +68,13 @@ def attention(backbone: Backbone, text: str, capsule: Capsule | None = None) -> 
     maps = torch.stack([a[0] for a in out.attentions]).float().cpu().numpy()  # (L, H, T', T')
 
     words = [tok.decode([i]) for i in ids]
-    slots = capsule.config.n_slots if capsule is not None else 0
+    config = capsule.config if capsule is not None else None
+    pooled = [f"⟨pool:{i + 1}⟩" for i in range(config.pooled_tokens)] if config else []
+    slots = config.n_slots - len(pooled) if config else 0
     if slots == 2:
-        tokens = [CAPSULE_TOKEN + ":mean", CAPSULE_TOKEN + ":W"] + words
+        tokens = pooled + [CAPSULE_TOKEN + ":mean", CAPSULE_TOKEN + ":W"] + words
     elif slots == 1:
-        tokens = [CAPSULE_TOKEN] + words
+        tokens = pooled + [CAPSULE_TOKEN] + words
     else:  # no extra token: inplace capsule on the first real token, or no capsule at all
         tokens = words[:]
         if capsule is not None:
@@ -81,4 +83,4 @@ def attention(backbone: Backbone, text: str, capsule: Capsule | None = None) -> 
         label = "capsule"
     else:
         label = "BOS" if tok.bos_token_id is not None and ids[0] == tok.bos_token_id else "position 0"
-    return AttentionReport(tokens=tokens, anchor=0, anchor_label=label, maps=maps, truncated=dropped > 0)
+    return AttentionReport(tokens=tokens, anchor=len(pooled), anchor_label=label, maps=maps, truncated=dropped > 0)

@@ -11,7 +11,7 @@ Shapes: B batch, T tokens, S capsule slots (0, 1 or 2), d hidden size, C labels.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -81,6 +81,10 @@ class Capsule(nn.Module):
         h: (B, T, d). Returns a new tensor (never edits h in place, so autograd sees every step).
         """
         w = self.weight[j].to(h.dtype)                                   # (d,)
+        if call.pool_onehot:                                             # the training-free pooled slots
+            pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
+            for i, where in enumerate(call.pool_onehot):
+                h = torch.where(where[..., None], pooled[:, i:i + 1], h)
         fusion = self.config.fusion
         if fusion == "none":
             capsule = w.expand(h.shape[0], -1)
@@ -108,15 +112,27 @@ def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (h * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
 
 
+def segment_means(h: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T, d), (B, T) -> (B, k, d): the masked positions cut into k consecutive, nearly equal
+    segments (real token r of n goes to segment floor(r*k/n)), each mean-pooled; empty -> zeros."""
+    m = mask.long()
+    n = m.sum(1, keepdim=True).clamp(min=1)
+    seg = ((m.cumsum(1) - 1).clamp(min=0) * k) // n                   # (B, T) segment of each position
+    onehot = F.one_hot(seg, k).to(h.dtype) * m[..., None].to(h.dtype)  # (B, T, k)
+    return onehot.transpose(1, 2) @ h / onehot.sum(1)[..., None].clamp(min=1)
+
+
 # --- entering the backbone ---------------------------------------------------------------------
 
 @dataclass
 class CallState:
     """What the hooks of one call need; created per call, never shared."""
 
-    slot_onehot: list[torch.Tensor]  # per slot, (B, T') bool: where that slot sits in each row
+    slot_onehot: list[torch.Tensor]  # per capsule slot, (B, T') bool: where that slot sits in each row
     mean_mask: torch.Tensor          # (B, T') which positions the instance mean is taken over
     seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
+    pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
+    real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
 
 
 @dataclass
@@ -151,26 +167,31 @@ def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.T
         call = CallState(slots, inst, T) if capsule is not None else None
         return Inputs(embeds, mask, _positions(mask), pos, call, first)
 
-    S = capsule.config.n_slots
+    S, K = capsule.config.n_slots, capsule.config.pooled_tokens          # K pooled slots come first
     new = torch.arange(T + S, device=mask.device).expand(B, T + S)
     src = torch.where(new < first[:, None], new, (new - S).clamp(min=0))  # old index of each new spot
-    is_slot = [new == (first + s)[:, None] for s in range(S)]
-    any_slot = torch.stack(is_slot).any(0)
+    every = [new == (first + s)[:, None] for s in range(S)]
+    pools, is_slot = every[:K], every[K:]
+    any_slot = torch.stack(every).any(0)
     start = masked_mean(embeds, inst)                                    # (B, d) instance mean of E
+    pooled = segment_means(embeds, inst, K) if K else None               # (B, K, d)
     embeds = embeds.gather(1, src[..., None].expand(-1, -1, embeds.shape[-1]))
     mask2 = torch.where(any_slot, 1, mask.gather(1, src))
     inst2 = torch.where(any_slot, 0, inst.gather(1, src))
+    real2 = inst2.clone()
+    for i, where in enumerate(pools):
+        embeds = torch.where(where[..., None], pooled[:, i:i + 1], embeds)
     fusion = capsule.config.fusion
     if fusion != "none":
         # The instance slot starts as mean(E), so the mean over [slot ; E] at layer 0 is mean(E),
         # exactly the paper's c_0 = W[0] + mean(E); later layers include the slot in the mean.
         inst2 = inst2 | is_slot[0].long()
         embeds = torch.where(is_slot[0][..., None], start[:, None, :], embeds)
-    for s in range(1 if fusion != "none" else 0, S):                     # task-only slots start at zero
+    for s in range(1 if fusion != "none" else 0, len(is_slot)):          # task-only slots start at zero
         embeds = torch.where(is_slot[s][..., None], 0.0, embeds)
     real_index = (pos + S * (pos >= first[:, None]))
-    call = CallState(is_slot, inst2, T + S)
-    return Inputs(embeds, mask2, _positions(mask2), real_index, call, first)
+    call = CallState(is_slot, inst2, T + S, pools, real2)
+    return Inputs(embeds, mask2, _positions(mask2), real_index, call, first + K)
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

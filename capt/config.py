@@ -38,6 +38,9 @@ class CapsuleConfig:
     project_rank: int = 8
     extract_kernel: int = 5
     init_std: float = 0.0  # W starts at zero: the untrained capsule is exactly the instance mean
+    # The paper's training-free probe: k parameter-free slots before the capsule, refilled at every
+    # capsule layer with the layer input's real tokens mean-pooled into k consecutive segments.
+    pooled_tokens: int = 0
     extra: dict = field(default_factory=dict)  # free-form notes kept in the capsule file
 
     def __post_init__(self) -> None:
@@ -57,6 +60,10 @@ class CapsuleConfig:
         if self.placement == "inplace" and self.fusion == "prepend":
             raise CaptError("fusion='prepend' needs two slots and so placement='slot' "
                             "(placement='inplace' adds no token)")
+        if not 0 <= int(self.pooled_tokens) <= 64:
+            raise CaptError(f"pooled_tokens={self.pooled_tokens} is out of range; valid: 0..64")
+        if self.pooled_tokens and self.placement == "inplace":
+            raise CaptError("pooled_tokens adds slots and so needs placement='slot'")
         if not 1 <= int(self.project_rank) <= 4096:
             raise CaptError(f"project_rank={self.project_rank} is out of range; valid: 1..4096")
         if int(self.extract_kernel) < 1 or int(self.extract_kernel) % 2 == 0:
@@ -67,7 +74,9 @@ class CapsuleConfig:
     @property
     def n_slots(self) -> int:
         """How many positions the capsule adds to the sequence."""
-        return 0 if self.placement == "inplace" else (2 if self.fusion == "prepend" else 1)
+        if self.placement == "inplace":
+            return 0
+        return self.pooled_tokens + (2 if self.fusion == "prepend" else 1)
 
     def layer_indices(self, n_layers: int) -> list[int]:
         """The 0-based capsule layers for a backbone with n_layers layers."""

@@ -155,3 +155,79 @@ def shared_max(*arrays: np.ndarray | None) -> float:
     """One colour range for side-by-side maps, so 'with' and 'without' compare at a glance."""
     values = [float(np.max(a)) for a in arrays if a is not None and np.size(a)]
     return max(values) if values else 1.0
+
+
+def attention_panel(with_report, without_report, layer: int | None = None, head: int | None = None,
+                    name: str = "capsule") -> tuple[tuple, str]:
+    """The Attention view: (maps with/without, anchor mass with/without, per-layer anchor vs sink) and a
+    one-paragraph summary. Colour ranges are shared by both sides (maps clipped at the largest value off
+    the anchor's row and column, so the sink does not wash out the rest)."""
+    zmax = max(1e-6, shared_max(with_report.mean_map(layer, head)[1:, 1:],
+                                without_report.mean_map(layer, head)[1:, 1:]))
+    mmax = shared_max(with_report.anchor_mass(), without_report.anchor_mass())
+    figs = (attention_figure(with_report, layer, head, f"with {name}", zmax=zmax),
+            attention_figure(without_report, layer, head, "without capsule", zmax=zmax),
+            anchor_mass_figure(with_report, f"with {name}", zmax=mmax),
+            anchor_mass_figure(without_report, "without capsule", zmax=mmax),
+            anchor_by_layer_figure(with_report, without_report, name))
+    n_layers, n_heads = with_report.maps.shape[:2]
+    text = (f"{len(with_report.tokens)} positions with the {name}, {len(without_report.tokens)} without · "
+            f"{n_layers} layers × {n_heads} heads. Mean attention the other tokens pay to position 0: "
+            f"**{with_report.anchor_mass().mean():.3f}** (the {name}) vs **{without_report.anchor_mass().mean():.3f}**"
+            f" ({without_report.anchor_label}, without a capsule). Colour ranges are shared by both sides.")
+    if with_report.truncated:
+        text += "\n\n⚠ the input was cut to the backbone's limit."
+    return figs, text
+
+
+def _clock(seconds: float | None) -> str:
+    s = int(seconds or 0)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class TrainingCurves:
+    """Collects `capt.training.train` callback events; gives the live loss/dev figures and a progress line."""
+
+    def __init__(self):
+        self.steps, self.losses, self.evals = [], [], []
+        self.metric, self.text = "accuracy", ""
+
+    def add(self, event: dict) -> None:
+        kind = event.get("kind")
+        if kind == "step":
+            self.steps.append(event["step"])
+            self.losses.append(event["loss"])
+            best = f" · best dev {self.metric} {100 * event['best']:.1f} %" if event.get("best") is not None else ""
+            self.text = (f"step {event['step']}/{event['total_steps']} · loss {event['loss']:.4f} · "
+                         f"{event['examples_per_s']:.1f} examples/s · ETA {_clock(event['eta_s'])}{best}")
+        elif kind == "eval":
+            self.evals.append(event)
+            self.metric = "f1a" if "f1a" in event["dev"] else "accuracy"
+
+    def figures(self) -> tuple:
+        return (loss_figure(self.steps, self.losses) if self.steps else None,
+                dev_figure(self.evals, self.metric) if self.evals else None)
+
+
+def capsule_markdown(capsule, backbone) -> str:
+    """The capsule's parameter count and share of the backbone, its options and how it was trained."""
+    rep, cfg, tr = capsule.param_report(backbone), capsule.config, capsule.meta.get("training") or {}
+    text = (f"| parameters | count |\n|---|---:|\n| capsule (W + fusion extras) | {rep['capsule']:,} |\n"
+            f"| task head | {rep['head']:,} |\n| backbone (frozen) | {rep['backbone']:,} |\n"
+            f"| capsule / backbone | {rep['share_percent']:.4f} % |\n\nOptions: fusion `{cfg.fusion}` · placement "
+            f"`{cfg.placement}` · layers `{cfg.layers}` · head `{cfg.head}`: a capsule on {len(capsule.layer_ids)} "
+            f"of {backbone.n_layers} layers, d = {backbone.hidden_size}")
+    if tr:
+        scores = ", ".join(f"{k} {100 * v:.1f} %" for k, v in (capsule.meta.get("metrics") or {}).items())
+        text += (f"\n\nTrained on `{tr.get('task')}`: {tr.get('steps')} steps ({tr.get('stopped_by')}); test "
+                 f"{scores or 'n/a'} on {tr.get('n_test')} examples")
+    return text
+
+
+def summary_markdown(summary: dict) -> str:
+    """One paragraph on a finished `capt.training.train` run (its returned summary)."""
+    scores = " · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items())
+    share = 100 * summary["n_trainable"] / summary["backbone_params"]
+    return (f"**Done** ({summary['stopped_by']}): {summary['steps']} steps in {summary['train_seconds']:.0f} s, best "
+            f"dev at step {summary['best_step']}. Test ({summary['n_test']} examples): {scores}. "
+            f"{summary['n_trainable']:,} trainable parameters ({share:.4f} % of the backbone). Data: {summary['data']}.")

@@ -32,6 +32,7 @@ OPTIONS = {
     "latter_half": dict(layers="latter_half"),
     "list": dict(layers=[1, 3]),
     "linear": dict(head="linear"),
+    "pooled": dict(fusion="none", pooled_tokens=2),  # the training-free probe's slots
 }
 
 _cache = {}

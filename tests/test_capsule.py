@@ -262,3 +262,58 @@ def test_long_input_is_truncated_and_says_so(arch):
     assert abs(sum(pred.probs.values()) - 1) < 1e-5
     short = capt.predict(bb, "rte", RTE_EXAMPLES[0], capsule=cap)
     assert not short.truncated and short.dropped_tokens == 0
+
+
+# --- the training-free pooled-token probe -------------------------------------------------------
+
+def test_segment_means_golden():
+    from capt.capsule import segment_means
+
+    h = torch.arange(10.0).view(1, 5, 2)          # rows (0,1) (2,3) (4,5) (6,7) (8,9)
+    mask = torch.tensor([[0, 1, 1, 1, 1]])        # 4 real tokens: (2,3) (4,5) (6,7) (8,9)
+    two = segment_means(h, mask, 2)
+    assert torch.equal(two[0], torch.tensor([[3.0, 4.0], [7.0, 8.0]]))
+    five = segment_means(h, mask, 5)              # more segments than tokens: empty ones are zero
+    assert five.shape == (1, 5, 2) and torch.equal(five[0].sum(0), torch.tensor([20.0, 24.0]))
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_pooled_slots_hold_segment_means_and_precede_the_capsule(arch):
+    bb = tiny(arch)
+    cap = random_capsule(bb, fusion="none", pooled_tokens=3)
+    ids, mask = _batch(bb, ["The cat sat on the mat today.", "Dogs bark."], "left")
+    seen = {}
+    norm = _NORM.get(bb.model_type, lambda layer: layer.input_layernorm)(bb.layers[2])
+    handle = norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0].clone()))
+    try:
+        with torch.no_grad():
+            _, inp = run(bb, cap, ids, mask)
+    finally:
+        handle.remove()
+    h = seen["h"]
+    first = mask.argmax(1)
+    for b in range(2):
+        f = int(first[b])
+        real = [t for t in range(f + 4, h.shape[1])]  # after 3 pooled slots and the capsule slot
+        n = len(real)
+        for i in range(3):  # real token r goes to segment floor(r*3/n)
+            members = [real[r] for r in range(n) if (r * 3) // n == i]
+            expected = sum(h[b, t] for t in members) / len(members)
+            assert torch.allclose(h[b, f + i], expected, atol=1e-5)  # the layer input's real tokens, pooled
+        assert torch.allclose(h[b, f + 3], cap.weight[2])  # the deep prompt slot holds W[l]
+    assert inp.anchor.tolist() == (first + 3).tolist()
+    rep = capt.attention(bb, "The cat sat on the mat today.", capsule=cap)
+    assert rep.tokens[:4] == ["⟨pool:1⟩", "⟨pool:2⟩", "⟨pool:3⟩", capt.CAPSULE_TOKEN] and rep.anchor == 3
+
+
+def test_pooled_token_probe_reports_each_k():
+    from capt.analysis import pooled_token_probe
+
+    bb = tiny("tiny-llama")
+    cap = random_capsule(bb, fusion="none")
+    examples = [dict(e, label=e.get("label", 0)) for e in RTE_EXAMPLES]
+    result = pooled_token_probe(bb, RTE, examples, cap, ks=(0, 1, 2, 10))
+    assert list(result) == [0, 1, 2, 10] and all(0 <= v <= 1 for v in result.values())
+    plain = capt.predict(bb, RTE, examples, capsule=cap)
+    assert result[0] == sum(RTE.labels.index(p.label) == e["label"] for p, e in zip(plain, examples)) / 3
+    assert cap.config.pooled_tokens == 0  # the trained capsule is not changed

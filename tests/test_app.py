@@ -1,0 +1,220 @@
+"""The Gradio app: its handlers as plain functions, then a gradio_client round-trip against the launched app.
+
+Offline and on the tiny random backbone only (tiny-llama: 4 layers, d=32), so the whole file runs in well
+under a minute; SmolLM2 is never loaded here.
+"""
+import csv
+import json
+import os
+import socket
+import zipfile
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no telemetry or version checks
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+import app  # noqa: E402
+import capt  # noqa: E402
+
+BB = "tiny-llama"
+CB = dict(premise="The cat sat on the mat near the door.", hypothesis="A cat sat.")
+
+
+def new_session(tmp_path, name="s"):
+    return {"dir": str(tmp_path / name), "capsules": []}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 3-step CaPT run on CB through the app's training generator; (session, states)."""
+    session = new_session(tmp_path_factory.mktemp("train"))
+    states = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="fixture", max_steps=3))
+    return session, states
+
+
+def test_predict_without_capsule_shows_the_bare_backbone():
+    fig, report, err = app.predict_view(BB, app.NONE, "rte", **CB)
+    assert err == ""
+    assert [t.name for t in fig.data] == ["without capsule (zero-shot)"]
+    assert list(fig.data[0].x) == ["entailment", "not_entailment"] and sum(fig.data[0].y) == pytest.approx(1)
+    assert "zero-shot" in report
+
+
+def test_train_streams_progress_and_yields_a_usable_capsule(trained, tmp_path):
+    session, states = trained
+    final = states[-1]
+    assert final["error"] == "" and "**Done** (max_steps): 3 steps" in final["progress"]
+    assert any(s["progress"].startswith("step ") for s in states)          # live progress with ETA
+    assert final["loss"] is not None and final["dev"] is not None           # live loss and dev curves
+    assert final["task"] == ("cb", "")
+    path = final["capsule"]
+    assert path.startswith(session["dir"]) and os.path.isfile(os.path.join(path, "capsule.json"))
+    assert [c["path"] for c in session["capsules"]] == [path]
+    assert (path, path) in [(v, v) for _, v in app.capsule_choices(BB, session)]
+    assert app.capsule_choices("tiny-qwen2", session) == [("none (zero-shot)", app.NONE)]
+    with zipfile.ZipFile(final["zip"]) as z:
+        assert sorted(n.split("/")[1] for n in z.namelist()) == ["capsule.json", "capsule.safetensors"]
+
+    fig, report, err = app.predict_view(BB, path, "cb", session=session, **CB)
+    assert err == ""
+    assert [t.name for t in fig.data] == ["with capsule", "without capsule (zero-shot)"]
+    assert "| capsule (W + fusion extras) | 128 |" in report and "% |" in report    # 4 layers x d=32
+    assert "Trained on `cb`: 3 steps" in report
+    # the same capsule is not readable from another session, nor with another backbone
+    assert "unknown capsule" in app.predict_view(BB, path, "cb", session=new_session(tmp_path), **CB)[2]
+    assert "trained for backbone" in app.predict_view("tiny-qwen2", path, "cb", session=session, **CB)[2]
+
+
+def test_attention_with_and_without_the_capsule(trained):
+    session, states = trained
+    *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", layer=1, head=2, session=session, **CB)
+    assert err == "" and all(f is not None for f in figs)
+    with_map, without_map, mass_with, mass_without, by_layer = figs
+    assert capt.CAPSULE_TOKEN in with_map.layout.yaxis.ticktext[0]
+    assert with_map.data[0].z.shape[0] == without_map.data[0].z.shape[0] + 1   # one extra slot
+    assert len(with_map.layout.shapes) == 2                                     # anchor row and column marked
+    assert mass_with.data[0].z.shape == (4, 4) == mass_without.data[0].z.shape  # layers x heads
+    assert "layer 1, head 2" in with_map.layout.title.text and "4 layers × 4 heads" in text
+    # no capsule chosen: an untrained one (W = 0) shows the anchor; mean over layers and heads
+    *figs, text, err = app.attention_view(BB, app.NONE, "rte", **CB)
+    assert err == "" and "untrained capsule" in text and "mean over layers and heads" in figs[0].layout.title.text
+    assert "layer 9 does not exist" in app.attention_view(BB, app.NONE, "rte", layer=9, **CB)[-1]
+
+
+def test_bad_inputs_give_messages_not_exceptions(tmp_path):
+    def err(**kw):
+        return app.predict_view(**{"backbone": BB, "capsule": app.NONE, "task": "rte", **CB, **kw})[-1]
+
+    assert "empty text in field 'premise'" in err(premise="")
+    assert "unknown task" in err(task="nope")
+    assert "unknown backbone" in err(backbone="nope")
+    assert "choose a backbone" in err(backbone=" ")
+    assert "could not load" in err(hub_id="nobody/no-such-model")          # offline hub: capt's message
+    assert "unknown capsule" in err(capsule="/etc")
+    assert "needs a capsule trained on your own data" in err(task=app.CUSTOM)
+    assert "cause" in app.predict_view(BB, app.NONE, "copa", premise="It rained.", choice1="a", choice2="b",
+                                       question="why")[-1]
+    session = new_session(tmp_path)
+    for upload, expected in ((None, "is not a .zip"), (str(tmp_path / "x.txt"), "is not a .zip")):
+        assert expected in app.upload_capsule(upload, BB, session)[2]
+    (tmp_path / "bad.zip").write_text("not a zip")
+    assert "not a valid zip" in app.upload_capsule(str(tmp_path / "bad.zip"), BB, session)[2]
+    with zipfile.ZipFile(tmp_path / "empty.zip", "w") as z:
+        z.writestr("readme.txt", "hello")
+    assert "no capsule.json" in app.upload_capsule(str(tmp_path / "empty.zip"), BB, session)[2]
+    assert session["capsules"] == []
+
+
+def train_error(tmp_path, **options):
+    states = list(app.train_run(BB, options.pop("task", "cb"), options.pop("preset", "quick: 20 steps"),
+                                new_session(tmp_path), session_id="bad", **options))
+    assert states[-1]["capsule"] is None
+    return states[-1]["error"]
+
+
+def test_bad_training_input_gives_messages(tmp_path):
+    data = tmp_path / "toy.csv"
+    with open(data, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "y"])
+        w.writerows([[f"the {a} number {i}", a[0]] for i in range(10) for a in ("cat", "dog")])
+    own = dict(task="toy", data_file=str(data), label_column="y")
+    assert "lacks columns ['review']" in train_error(tmp_path, columns="review", label_words="c=yes, d=no", **own)
+    assert "bad toy label 'd'" in train_error(tmp_path, columns="text", label_words="c=yes, x=no", **own)
+    assert "name the input column" in train_error(tmp_path, columns=" ", label_words="c=yes, d=no", **own)
+    assert "label=word" in train_error(tmp_path, columns="text", label_words="c yes", **own)
+    (tmp_path / "toy.txt").write_text("text,y\n")
+    assert "use a .csv, .jsonl or .json" in train_error(tmp_path, task="toy", data_file=str(tmp_path / "toy.txt"),
+                                                       columns="text", label_column="y", label_words="c=yes, d=no")
+    assert "unknown preset" in train_error(tmp_path, preset="forever")
+    assert "lr=-1.0 is out of range" in train_error(tmp_path, lr=-1)
+    assert "layers='middle' is not valid" in train_error(tmp_path, layers="middle")
+    assert "layers [9] do not exist" in train_error(tmp_path, layers="9")
+    assert app.stop_training("nobody") == "No training is running in this session."
+
+
+def test_custom_file_capsule_and_upload_round_trip(tmp_path):
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps({"review": f"the {a} {i}", "stars": a[0]}) + "\n"
+                            for i in range(10) for a in ("cat", "dog")))
+    session = new_session(tmp_path, "a")
+    states = list(app.train_run(BB, "toy", "quick: 20 steps", session, session_id="custom", data_file=str(data),
+                                columns="text=review", label_column="stars", label_words="c=yes, d=no", max_steps=2,
+                                fusion="project", layers="0, 2"))
+    final = states[-1]
+    assert final["error"] == "" and final["task"] == (app.CUSTOM, '{"text": ""}')
+    fig, report, err = app.predict_view(BB, final["capsule"], app.CUSTOM, session=session,
+                                        custom_fields='{"text": "the cat 3"}')
+    assert err == "" and list(fig.data[0].x) == ["yes", "no"] and "fusion `project`" in report
+    assert "JSON object" in app.predict_view(BB, final["capsule"], app.CUSTOM, session=session,
+                                             custom_fields="[1")[-1]
+    # the downloaded zip uploads into another session; a backbone mismatch is named, not raised
+    other = new_session(tmp_path, "b")
+    other, value, msg = app.upload_capsule(final["zip"], BB, other)
+    assert msg == "" and value in [v for _, v in app.capsule_choices(BB, other)]
+    assert app.predict_view(BB, value, app.CUSTOM, session=other, custom_fields='{"text": "a dog"}')[-1] == ""
+    third, value, msg = app.upload_capsule(final["zip"], "tiny-qwen2", new_session(tmp_path, "c"))
+    assert value is None and "trained for backbone 'tiny-llama'" in msg
+    assert [c["backbone"] for c in third["capsules"]] == ["tiny-llama"]
+
+
+def test_stop_ends_training_and_keeps_the_capsule(tmp_path):
+    session, stopped = new_session(tmp_path), False
+    for state in app.train_run(BB, "rte", "quick: 20 steps", session, session_id="stopper", max_steps=2000,
+                               batch_size=2):
+        if state["progress"].startswith("step ") and not stopped:
+            assert "Stopping" in app.stop_training("stopper")
+            stopped = True
+    assert stopped and state["error"] == "" and "(stop requested)" in state["progress"]
+    assert os.path.isdir(state["capsule"]) and "stopper" not in app._STOPS
+
+
+def test_examples_and_field_visibility():
+    for name, task in capt.TASKS.items():
+        fields, note = app.example_from_val(name, seed=0)
+        assert set(fields) == set(task.fields) and "gold label" in note
+        shown = [f for f, v in zip(app.FIELDS, app.visible_fields(name)) if v]
+        assert set(shown) == set(task.fields)
+    assert app.visible_fields(app.CUSTOM) == [False] * len(app.FIELDS) + [True]
+
+
+def test_gradio_client_round_trip(tmp_path):
+    from gradio_client import Client
+
+    demo = app.build_demo()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    client = Client(url, verbose=False)
+    try:
+        api = client.view_api(print_info=False, return_format="dict")
+        assert set(api["named_endpoints"]) == {"/predict", "/attention", "/train", "/stop"}
+        assert api["unnamed_endpoints"] == {}
+        fig, report, err = client.predict(backbone=BB, capsule=app.NONE, task="rte", api_name="/predict",
+                                          premise="The cat sat.", hypothesis="A cat sat.")
+        assert err == "" and fig["type"] == "plotly" and "zero-shot" in report
+        *figs, text, err = client.predict(backbone=BB, task="rte", premise="The cat sat.", hypothesis="A cat sat.",
+                                          layer=-1, head=0, api_name="/attention")
+        assert err == "" and len(figs) == 5 and "4 layers × 4 heads" in text
+        out = client.predict(backbone=BB, task="cb", preset="quick: 20 steps", max_steps=2, api_name="/train")
+        loss, dev, progress, err, zip_file, _backbone, _hub, capsule, task = out[:9]
+        assert err == "" and "**Done** (max_steps): 2 steps" in progress and zip_file.endswith(".zip")
+        assert task == "cb" and loss["type"] == "plotly"
+        path = capsule["value"] if isinstance(capsule, dict) else capsule
+        fig, report, err = client.predict(backbone=BB, capsule=path, task="cb", premise="The cat sat.",
+                                          hypothesis="A cat sat.", api_name="/predict")
+        assert err == "" and "| capsule (W + fusion extras) | 128 |" in report
+        # another client is another session: it cannot read the first one's capsule
+        other = Client(url, verbose=False)
+        assert "unknown capsule" in other.predict(backbone=BB, capsule=path, task="cb", premise="a", hypothesis="b",
+                                                  api_name="/predict")[-1]
+        other.close()
+        assert client.predict(api_name="/stop") == "No training is running in this session."
+        assert "empty text" in client.predict(backbone=BB, task="rte", premise="", hypothesis="x",
+                                              api_name="/predict")[-1]
+    finally:
+        client.close()
+        demo.close()
