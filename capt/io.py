@@ -2,16 +2,21 @@
 `capsule.safetensors` (only the capsule's own tensors, and the head's if any). No pickle anywhere.
 
 Writes go to a temporary folder that is renamed into place, so a killed run never leaves half a capsule.
+A capsule travels as a zip (export_zip / import_zip, which unpacks an untrusted upload safely); shipped
+capsules live in <root>/<backbone>/<task>/ (find_capsules).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import tempfile
+import zipfile
+import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, fields
-from pathlib import Path
+from dataclasses import fields
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError
@@ -28,6 +33,10 @@ CONFIG_FILE = "capsule.json"
 WEIGHTS_FILE = "capsule.safetensors"
 FORMAT = "capt-capsule"
 FORMAT_VERSION = 1
+README_FILE = "README.md"   # a shipped capsule's model card (train/card.py)
+RESULTS_FILE = "results.json"   # and its comparison table
+ZIP_FILES = (CONFIG_FILE, WEIGHTS_FILE, README_FILE, RESULTS_FILE)   # all a capsule zip may hold
+MAX_ZIP_BYTES = 500 * 2 ** 20   # a capsule is a few hundred KB; a low-rank 'project' one on a large model, MBs
 
 
 def task_to_dict(task: Task) -> dict:
@@ -167,3 +176,154 @@ def pull_from_hub(repo_id: str, revision: str | None = None, token: str | None =
     except Exception as e:  # offline, missing repo, no access: one clear message
         raise CaptError(f"could not download capsule '{repo_id}' from the hub ({type(e).__name__}: {e})") from None
     return Path(path)
+
+
+def find_capsules(root: str | Path, backbone_name: str | None = None) -> list[Path]:
+    """The shipped capsule folders `root/<backbone_name>/<task>/` that hold a capsule.json, sorted by task.
+
+    backbone_name None: every backbone's. A name that is not a single folder name (a hub id like
+    "org/model", "..") has none; hidden folders (an unfinished atomic write) are skipped.
+    """
+    root = Path(root)
+    if backbone_name is None:
+        names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return [c for name in names for c in find_capsules(root, name)]
+    if backbone_name in ("", ".", "..") or "/" in backbone_name or "\\" in backbone_name:
+        return []
+    base = root / backbone_name
+    if not base.is_dir():
+        return []
+    return [p for p in sorted(base.iterdir()) if not p.name.startswith(".") and (p / CONFIG_FILE).is_file()]
+
+
+def capsule_task(folder: str | Path) -> Task | None:
+    """The task a capsule was saved with, read from its capsule.json alone (the weights are not loaded):
+    the built-in task when it is one, else a custom task; None when it was saved without a task."""
+    info = read_config(folder).get("task")
+    if not info:
+        return None
+    try:
+        return task_from_dict(info)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CaptError(f"{Path(folder) / CONFIG_FILE} has a malformed task entry ({type(e).__name__}: {e})") \
+            from None
+
+
+def export_zip(folder: str | Path, zip_path: str | Path | None = None) -> Path:
+    """Zip a capsule folder for download or sharing, and return the zip's path.
+
+    The zip holds only the capsule's files, inside one folder named like the capsule folder:
+    capsule.json, capsule.safetensors, and README.md / results.json when present (nothing else in the
+    folder is taken). `zip_path` defaults to `<folder>.zip` beside the folder. The zip is written to a
+    temporary file renamed into place, so a failed export never leaves half a zip.
+    """
+    folder = Path(os.path.abspath(folder))   # a real name for the zip's folder, even for "." or "cap/.."
+    read_config(folder)  # refuse to zip something that is not a capsule
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise CaptError(f"{folder} has no {WEIGHTS_FILE}: it is not a complete capsule, nothing to export")
+    zip_path = Path(zip_path) if zip_path is not None else folder.with_name(f"{folder.name}.zip")
+    zip_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{zip_path.name}.tmp-", dir=zip_path.parent)
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            for name in ZIP_FILES:
+                if (folder / name).is_file():
+                    z.write(folder / name, f"{folder.name}/{name}")
+        os.replace(tmp, zip_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return zip_path
+
+
+def import_zip(zip_path: str | Path, dest_dir: str | Path, max_bytes: int = MAX_ZIP_BYTES) -> Path:
+    """Unpack an uploaded capsule zip into `dest_dir` safely, check it, and return the capsule folder.
+
+    The zip must hold capsule.json and capsule.safetensors (README.md and results.json may come along),
+    either at its top or all inside one folder (as export_zip writes them). Before anything is written,
+    the zip is refused, with a message saying why, when a member has an absolute path or '..', is a
+    symbolic link, is any other file, is named twice, or the files unpack to more than `max_bytes`.
+    A zip with a folder unpacks to `dest_dir/<folder>`, one without straight into `dest_dir`; existing
+    files are never overwritten and nothing is written outside `dest_dir`. The result is then checked
+    as load_capsule checks a folder (format, version, tensor shapes); on any failure what was unpacked
+    is removed again.
+    """
+    zip_path, dest_dir = Path(zip_path), Path(dest_dir)
+    label = zip_path.name or "nothing"
+    try:
+        archive = zipfile.ZipFile(zip_path)
+    except (zipfile.BadZipFile, OSError):  # not a zip, no such file, a folder
+        raise CaptError(f"{label} is not a zip file: upload a zipped capsule folder "
+                        f"({CONFIG_FILE} + {WEIGHTS_FILE})") from None
+    with archive:
+        top, members = _capsule_members(archive, label, max_bytes)
+        folder = dest_dir / top if top else dest_dir
+        made = [d for d in dict.fromkeys((dest_dir, folder)) if not d.exists()]   # to remove on failure
+        if top and folder not in made:
+            raise CaptError(f"{folder} already exists: unpack {label} into another folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        try:
+            for info, name in members:
+                target = folder / name
+                if not target.resolve().is_relative_to(dest_dir.resolve()):   # belt and braces
+                    raise CaptError(f"{label}: {info.filename!r} would unpack outside {dest_dir}; refusing it")
+                try:
+                    out = open(target, "xb")   # "x": never overwrite, nor follow a link put there
+                except FileExistsError:
+                    raise CaptError(f"{folder} already holds {name}: unpack {label} into another folder") from None
+                written.append(target)
+                with out, archive.open(info) as src:
+                    shutil.copyfileobj(src, out)
+            load_capsule(folder)   # the format and the tensors' shapes; the backbone is checked at use
+        except (zipfile.BadZipFile, EOFError, zlib.error) as e:   # a CRC mismatch, a truncated member
+            _remove(written, made)
+            raise CaptError(f"{label} is corrupt: {e}") from None
+        except BaseException:
+            _remove(written, made)
+            raise
+    return folder
+
+
+def _remove(files: list[Path], folders: list[Path]) -> None:
+    """Undo a failed import_zip: the files it wrote, then the folders it made (innermost first)."""
+    for f in files:
+        f.unlink(missing_ok=True)
+    for d in reversed(folders):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _capsule_members(archive: zipfile.ZipFile, label: str, max_bytes: int) -> tuple[str, list]:
+    """Check a capsule zip's table of contents without unpacking it: (its one folder or "", [(member,
+    file name)]). See import_zip for what is refused."""
+    files = []
+    for info in archive.infolist():
+        name = info.filename
+        parts = PurePosixPath(name).parts
+        if name.startswith("/") or "\\" in name or ".." in parts or not parts:
+            raise CaptError(f"{label} holds an unsafe path {name!r} (absolute or with '..'); refusing it")
+        if stat.S_ISLNK(info.external_attr >> 16):
+            raise CaptError(f"{label} holds a symbolic link {name!r}; refusing it")
+        if not info.is_dir():
+            files.append((info, parts))
+    total = sum(info.file_size for info, _ in files)
+    if total > max_bytes:
+        raise CaptError(f"{label} unpacks to {total:,} bytes, more than the {max_bytes:,} allowed; "
+                        "a capsule is a few hundred KB")
+    names = [parts[-1] for _, parts in files]
+    for needed in (CONFIG_FILE, WEIGHTS_FILE):
+        if needed not in names:
+            raise CaptError(f"{label} holds no {needed}: zip the capsule folder itself "
+                            f"({CONFIG_FILE} + {WEIGHTS_FILE})")
+    others = [info.filename for info, parts in files if parts[-1] not in ZIP_FILES]
+    if others:
+        raise CaptError(f"{label} holds files that are not part of a capsule: {', '.join(others[:5])}"
+                        f"{' …' if len(others) > 5 else ''} (a capsule zip holds only {', '.join(ZIP_FILES)})")
+    tops = {parts[:-1] for _, parts in files}
+    if len(tops) != 1 or len(next(iter(tops))) > 1:
+        raise CaptError(f"{label} must hold the capsule files at its top or all in one folder; "
+                        f"found them in {sorted('/'.join(t) or '(top)' for t in tops)}")
+    if len(set(names)) != len(names):
+        raise CaptError(f"{label} names a file twice; refusing it")
+    return "/".join(next(iter(tops))), [(info, parts[-1]) for info, parts in files]

@@ -38,6 +38,9 @@ def score(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered],
         raise CaptError(f"examples in one batch must have the same number of labels, got {sorted(n_choices)}")
     if head is None and capsule is not None:
         head = capsule.head
+    if head is not None and head.out_features != len(rendered[0].choices):
+        raise CaptError(f"this head scores {head.out_features} labels but the task has "
+                        f"{len(rendered[0].choices)}; use the task the capsule was trained on")
     if backbone.encoder_decoder:
         return _score_t5(backbone, capsule, rendered, head)
     return _score_decoder(backbone, capsule, rendered, head, general)

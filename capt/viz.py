@@ -1,12 +1,19 @@
-"""Plotly figures for the app: label probabilities, attention maps, anchor mass, training curves.
+"""What the app shows: plotly figures (label probabilities, attention maps, anchor mass, training curves)
+and the short Markdown summaries that go with them; the text a user sees of an error; and TrainingCurves,
+which follows a training run in a background thread and turns its events into live figures.
 
-Plotly is imported inside each function, so `import capt` stays light and plotting is optional.
-Every function takes plain data (dicts, numpy arrays, an AttentionReport) and returns a
-`plotly.graph_objects.Figure`; nothing here knows about Gradio.
+Plotly is imported inside each function, so `import capt` stays light and plotting is optional. Every
+function takes plain data (dicts, numpy arrays, an AttentionReport, Predictions, a training summary or
+events) and returns a `plotly.graph_objects.Figure` or text; nothing here knows about Gradio.
 """
 from __future__ import annotations
 
 import math
+import queue
+import sys
+import threading
+import time
+import traceback
 
 import numpy as np
 
@@ -61,11 +68,14 @@ def attention_figure(report, layer: int | None = None, head: int | None = None, 
     go = _go()
     z = report.mean_map(layer, head)
     tokens = list(report.tokens)
-    hover = [[f"query {q}: {_clean(tokens[q])}<br>key {k}: {_clean(tokens[k])}<br>attention {z[q, k]:.4f}"
-              for k in range(len(tokens))] for q in range(len(tokens))]
+    if len(tokens) <= 120:  # token names on hover; longer inputs would make the figure megabytes big
+        hover = dict(hoverinfo="text", text=[[f"query {q}: {_clean(tokens[q])}<br>key {k}: {_clean(tokens[k])}"
+                                              f"<br>attention {z[q, k]:.4f}" for k in range(len(tokens))]
+                                             for q in range(len(tokens))])
+    else:
+        hover = dict(hovertemplate="query %{y}, key %{x}<br>attention %{z:.4f}<extra></extra>")
     fig = go.Figure(go.Heatmap(z=z, zmin=0.0, zmax=zmax if zmax is not None else float(z.max()),
-                               colorscale="Viridis", hoverinfo="text", text=hover,
-                               colorbar={"title": "attn"}))
+                               colorscale="Viridis", colorbar={"title": "attn"}, **hover))
     a, n = report.anchor, len(tokens)
     outline = {"color": "#ff6b6b", "width": 2}
     fig.add_shape(type="rect", x0=a - 0.5, x1=a + 0.5, y0=-0.5, y1=n - 0.5, line=outline)
@@ -112,7 +122,7 @@ def anchor_by_layer_figure(with_report, without_report, capsule_name: str = "cap
     fig.update_xaxes(title="layer", dtick=1 if fig.data and len(fig.data[0].x) <= 32 else None)
     fig.update_yaxes(title="attention on anchor", rangemode="tozero")
     fig.update_layout(legend={"orientation": "h", "y": -0.2})
-    return _layout(fig, "Anchor vs. sink: attention paid to position 0, per layer")
+    return _layout(fig, "Anchor vs. sink: attention the other tokens pay to the anchor, per layer")
 
 
 def loss_figure(steps: list[int], losses: list[float]) -> "object":
@@ -160,10 +170,22 @@ def shared_max(*arrays: np.ndarray | None) -> float:
 def attention_panel(with_report, without_report, layer: int | None = None, head: int | None = None,
                     name: str = "capsule") -> tuple[tuple, str]:
     """The Attention view: (maps with/without, anchor mass with/without, per-layer anchor vs sink) and a
-    one-paragraph summary. Colour ranges are shared by both sides (maps clipped at the largest value off
-    the anchor's row and column, so the sink does not wash out the rest)."""
-    zmax = max(1e-6, shared_max(with_report.mean_map(layer, head)[1:, 1:],
-                                without_report.mean_map(layer, head)[1:, 1:]))
+    one-paragraph summary. layer/head None or negative: the mean over all. Colour ranges are shared by both
+    sides (maps clipped at the largest value off the anchor's row and column, so the sink does not wash out
+    the rest)."""
+    from .errors import CaptError
+
+    for what, value, n in (("layer", layer, with_report.maps.shape[0]), ("head", head, with_report.maps.shape[1])):
+        if value is not None and value >= n:
+            raise CaptError(f"{what} {value} does not exist: there are {what}s 0..{n - 1} (-1 = the mean)")
+    layer = None if layer is None or layer < 0 else int(layer)
+    head = None if head is None or head < 0 else int(head)
+
+    def off_anchor(report):  # the map without the anchor's row and column
+        keep = [i for i in range(len(report.tokens)) if i != report.anchor]
+        return report.mean_map(layer, head)[np.ix_(keep, keep)]
+
+    zmax = max(1e-6, shared_max(off_anchor(with_report), off_anchor(without_report)))
     mmax = shared_max(with_report.anchor_mass(), without_report.anchor_mass())
     figs = (attention_figure(with_report, layer, head, f"with {name}", zmax=zmax),
             attention_figure(without_report, layer, head, "without capsule", zmax=zmax),
@@ -172,12 +194,23 @@ def attention_panel(with_report, without_report, layer: int | None = None, head:
             anchor_by_layer_figure(with_report, without_report, name))
     n_layers, n_heads = with_report.maps.shape[:2]
     text = (f"{len(with_report.tokens)} positions with the {name}, {len(without_report.tokens)} without · "
-            f"{n_layers} layers × {n_heads} heads. Mean attention the other tokens pay to position 0: "
+            f"{n_layers} layers × {n_heads} heads. Mean attention the other tokens pay to the anchor: "
             f"**{with_report.anchor_mass().mean():.3f}** (the {name}) vs **{without_report.anchor_mass().mean():.3f}**"
             f" ({without_report.anchor_label}, without a capsule). Colour ranges are shared by both sides.")
     if with_report.truncated:
         text += "\n\n⚠ the input was cut to the backbone's limit."
     return figs, text
+
+
+def error_message(e: Exception) -> str:
+    """What a user is shown of an error: capt's own message for a CaptError; for anything else its type and
+    text, with the traceback printed to stderr (the server's log). Call it inside the `except` block."""
+    from .errors import CaptError
+
+    if isinstance(e, CaptError):
+        return str(e)
+    traceback.print_exc(file=sys.stderr)
+    return f"Unexpected error ({type(e).__name__}): {e}"
 
 
 def _clock(seconds: float | None) -> str:
@@ -186,7 +219,8 @@ def _clock(seconds: float | None) -> str:
 
 
 class TrainingCurves:
-    """Collects `capt.training.train` callback events; gives the live loss/dev figures and a progress line."""
+    """Collects `capt.training.train` callback events; gives the live loss/dev figures and a progress line.
+    `watch` runs a training job in a thread and yields its events in batches paced for a UI."""
 
     def __init__(self):
         self.steps, self.losses, self.evals = [], [], []
@@ -203,10 +237,64 @@ class TrainingCurves:
         elif kind == "eval":
             self.evals.append(event)
             self.metric = "f1a" if "f1a" in event["dev"] else "accuracy"
+        elif kind == "info":   # the caller's own progress lines ("loading the backbone…")
+            self.text = event["text"]
+
+    def watch(self, job, on_error=str, every: float = 0.5):
+        """Run `job(emit)` in a daemon thread and yield its events as `follow` does. The job emits the
+        `train` callback's events and its own ("info", then "finished" with the summary); an exception it
+        raises ends the run as an "error" event with the text `on_error(exception)`."""
+        events = queue.Queue()
+
+        def run():
+            try:
+                job(events.put)
+            except Exception as e:
+                events.put({"kind": "error", "text": on_error(e)})
+
+        threading.Thread(target=run, daemon=True, name="capt-training").start()
+        yield from self.follow(events, every)
+
+    def follow(self, events: queue.Queue, every: float = 0.5, poll: float = 0.25):
+        """Read events from a queue that a training thread fills (its `train` callback, plus the caller's
+        "info", "finished" and "error" events) and add each, until a "finished" or "error" one. Yields the
+        list of events read since the last yield: at most every `every` seconds, and the last list at once,
+        so a UI redraws at a steady pace however fast the steps come."""
+        pending, last, done = [], 0.0, False
+        while not done:
+            try:
+                batch = [events.get(timeout=poll)]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+            except queue.Empty:
+                batch = []
+            for event in batch:
+                self.add(event)
+            pending += batch
+            done = any(event.get("kind") in ("finished", "error") for event in batch)
+            if pending and (done or time.time() - last > every):
+                last = time.time()
+                yield pending
+                pending = []
 
     def figures(self) -> tuple:
         return (loss_figure(self.steps, self.losses) if self.steps else None,
                 dev_figure(self.evals, self.metric) if self.evals else None)
+
+
+def prediction_panel(task, backbone, bare, mine=None, capsule=None, notes=()) -> tuple[object, str]:
+    """The Predict view of one example: the label probabilities with the capsule (`mine`, a Prediction) and
+    without it (`bare`), and a Markdown report: both predicted labels, the capsule's parameters and training
+    (capsule_markdown), and each note as a ⚠ line (an input cut to the backbone's limit adds one)."""
+    fig = probs_figure(list(task.labels), mine.probs if mine else None, bare.probs,
+                       title=f"{task.name} on {backbone.name}")
+    said = [f"{who}: **{p.label}** ({100 * p.probs[p.label]:.1f} %)"
+            for who, p in (("with capsule", mine), ("without capsule", bare)) if p is not None]
+    notes = list(notes)
+    if bare.truncated:
+        notes.append(f"the input was longer than the backbone's limit: {bare.dropped_tokens} tokens were cut")
+    report = "No capsule: the bare backbone (zero-shot)." if capsule is None else capsule_markdown(capsule, backbone)
+    return fig, " · ".join(said) + "\n\n" + report + "".join(f"\n\n⚠ {n}" for n in notes)
 
 
 def capsule_markdown(capsule, backbone) -> str:
@@ -230,4 +318,5 @@ def summary_markdown(summary: dict) -> str:
     share = 100 * summary["n_trainable"] / summary["backbone_params"]
     return (f"**Done** ({summary['stopped_by']}): {summary['steps']} steps in {summary['train_seconds']:.0f} s, best "
             f"dev at step {summary['best_step']}. Test ({summary['n_test']} examples): {scores}. "
-            f"{summary['n_trainable']:,} trainable parameters ({share:.4f} % of the backbone). Data: {summary['data']}.")
+            f"{summary['n_trainable']:,} trainable parameters ({share:.4f} % of the backbone). "
+            f"Data: {summary['data']}.")

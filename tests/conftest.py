@@ -4,13 +4,14 @@ Adding an architecture to ARCHS gives it the whole capsule suite (the PEFT `test
 """
 import os
 
-import pytest
-import torch
-
-import capt
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network (set before any HF import)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import capt  # noqa: E402
 torch.manual_seed(0)
 # Tiny models are fastest on one thread (thread start-up costs more than their matmuls); the SmolLM2
 # integration tests raise it again for their module.

@@ -55,7 +55,8 @@ def test_train_streams_progress_and_yields_a_usable_capsule(trained, tmp_path):
     assert (path, path) in [(v, v) for _, v in app.capsule_choices(BB, session)]
     assert app.capsule_choices("tiny-qwen2", session) == [("none (zero-shot)", app.NONE)]
     with zipfile.ZipFile(final["zip"]) as z:
-        assert sorted(n.split("/")[1] for n in z.namelist()) == ["capsule.json", "capsule.safetensors"]
+        assert sorted(n for n in z.namelist() if not n.endswith("/")) == ["capsule/capsule.json",
+                                                                           "capsule/capsule.safetensors"]
 
     fig, report, err = app.predict_view(BB, path, "cb", session=session, **CB)
     assert err == ""
@@ -83,7 +84,10 @@ def test_attention_with_and_without_the_capsule(trained):
     assert "layer 9 does not exist" in app.attention_view(BB, app.NONE, "rte", layer=9, **CB)[-1]
 
 
-def test_bad_inputs_give_messages_not_exceptions(tmp_path):
+def test_bad_inputs_give_messages_not_exceptions(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)   # read at import, maybe before us
+
     def err(**kw):
         return app.predict_view(**{"backbone": BB, "capsule": app.NONE, "task": "rte", **CB, **kw})[-1]
 
@@ -97,10 +101,9 @@ def test_bad_inputs_give_messages_not_exceptions(tmp_path):
     assert "cause" in app.predict_view(BB, app.NONE, "copa", premise="It rained.", choice1="a", choice2="b",
                                        question="why")[-1]
     session = new_session(tmp_path)
-    for upload, expected in ((None, "is not a .zip"), (str(tmp_path / "x.txt"), "is not a .zip")):
-        assert expected in app.upload_capsule(upload, BB, session)[2]
     (tmp_path / "bad.zip").write_text("not a zip")
-    assert "not a valid zip" in app.upload_capsule(str(tmp_path / "bad.zip"), BB, session)[2]
+    for upload in (None, str(tmp_path / "x.txt"), str(tmp_path / "bad.zip")):
+        assert "is not a zip file: upload a zipped capsule folder" in app.upload_capsule(upload, BB, session)[2]
     with zipfile.ZipFile(tmp_path / "empty.zip", "w") as z:
         z.writestr("readme.txt", "hello")
     assert "no capsule.json" in app.upload_capsule(str(tmp_path / "empty.zip"), BB, session)[2]
@@ -128,6 +131,7 @@ def test_bad_training_input_gives_messages(tmp_path):
     (tmp_path / "toy.txt").write_text("text,y\n")
     assert "use a .csv, .jsonl or .json" in train_error(tmp_path, task="toy", data_file=str(tmp_path / "toy.txt"),
                                                        columns="text", label_column="y", label_words="c=yes, d=no")
+    assert "no data for task 'toy': upload a file" in train_error(tmp_path, task="toy")   # own file chosen, none given
     assert "unknown preset" in train_error(tmp_path, preset="forever")
     assert "lr=-1.0 is out of range" in train_error(tmp_path, lr=-1)
     assert "layers='middle' is not valid" in train_error(tmp_path, layers="middle")
@@ -180,9 +184,33 @@ def test_examples_and_field_visibility():
     assert app.visible_fields(app.CUSTOM) == [False] * len(app.FIELDS) + [True]
 
 
-def test_gradio_client_round_trip(tmp_path):
+def test_a_wic_val_example_keeps_its_word_span():
+    """WiC asks about the word as written in sentence 1 (lm-eval's span start1:end1), not its lemma: a val
+    example loaded into the form predicts exactly as capt.predict on that example, until a box is edited."""
+    bb, wic = app.get_backbone(BB), capt.get_task("wic")
+    fields, note, picked = next(v for v in (app.example_from_val("wic", seed=s, whole=True) for s in range(100))
+                                if v[2]["sentence1"][v[2]["start1"]:v[2]["end1"]] != v[2]["word"])
+    example = {k: v for k, v in picked.items() if k != "task"}   # the val example as load_examples gives it
+    assert set(fields) == set(wic.fields) and "gold label" in note
+    span = example["sentence1"][example["start1"]:example["end1"]]
+    assert f"the word '{span}'" in wic.render(app.make_example(wic, fields, picked), "lm").prompt
+    expected = capt.predict(bb, "wic", example)
+    fig, _, err = app.predict_view(BB, app.NONE, "wic", picked=picked, **fields)
+    assert err == "" and list(fig.data[0].y) == [expected.probs[label] for label in wic.labels]
+    assert capt.predict(bb, "wic", fields).probs != expected.probs   # the lemma alone gives another prompt
+    assert app.attention_view(BB, app.NONE, "wic", picked=picked, **fields)[-1] == ""
+    # once a box is edited, the span may point anywhere: the form's own fields alone are used
+    edited = {**fields, "sentence1": "Edited: " + fields["sentence1"]}
+    fig, _, err = app.predict_view(BB, app.NONE, "wic", picked=picked, **edited)
+    assert err == "" and list(fig.data[0].y) == list(capt.predict(bb, "wic", edited).probs.values())
+    assert list(app.predict_view(BB, app.NONE, "rte", picked=picked, **CB)[0].data[0].y) == list(
+        capt.predict(bb, "rte", CB).probs.values())   # another task ignores the picked example
+
+
+def test_gradio_client_round_trip(tmp_path, monkeypatch):
     from gradio_client import Client
 
+    monkeypatch.setattr(app, "WORK_DIR", tmp_path / "sessions")   # the server's per-session folders
     demo = app.build_demo()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,7 +231,7 @@ def test_gradio_client_round_trip(tmp_path):
         loss, dev, progress, err, zip_file, _backbone, _hub, capsule, task = out[:9]
         assert err == "" and "**Done** (max_steps): 2 steps" in progress and zip_file.endswith(".zip")
         assert task == "cb" and loss["type"] == "plotly"
-        path = capsule["value"] if isinstance(capsule, dict) else capsule
+        path = capsule["value"]   # the Capsule dropdown's update: the new capsule, selected
         fig, report, err = client.predict(backbone=BB, capsule=path, task="cb", premise="The cat sat.",
                                           hypothesis="A cat sat.", api_name="/predict")
         assert err == "" and "| capsule (W + fusion extras) | 128 |" in report

@@ -124,3 +124,133 @@ def test_push_uploads_the_folder_privately(monkeypatch, tmp_path):
     url = capt.push_to_hub(folder, "me/rte-capsule", token="t")
     assert url.endswith("me/rte-capsule")
     assert calls == [("token", "t"), ("create", "me/rte-capsule", True), ("upload", [CONFIG_FILE, WEIGHTS_FILE])]
+
+
+# --- capsule zips, shipped capsules, a capsule's task ----------------------------------------------------
+def _capsule_folder(tmp_path, name="cap", task="rte"):
+    """A saved capsule with a shipped capsule's extra files (README.md, results.json) and a stray file."""
+    bb = tiny("tiny-llama")
+    cap = random_capsule(bb)
+    folder = capt.save_capsule(cap, tmp_path / name, bb, capt.get_task(task) if task else None)
+    (folder / "README.md").write_text("# a capsule\n")
+    (folder / "results.json").write_text("{}\n")
+    (folder / "train.log").write_text("not for the zip\n")
+    return bb, cap, folder
+
+
+def _zip(path, members):
+    """A zip of (name, bytes) members; a name may be a zipfile.ZipInfo (for a symlink)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members:
+            z.writestr(name, data)
+    return path
+
+
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_zip_round_trip_loads_and_predicts_the_same(tmp_path):
+    import zipfile
+
+    from capt.io import export_zip, import_zip
+
+    bb, cap, folder = _capsule_folder(tmp_path / "out")
+    archive = export_zip(folder)
+    assert archive == folder.with_name("cap.zip") and archive.is_file()
+    with zipfile.ZipFile(archive) as z:   # only the capsule's files, inside one folder; no stray log
+        assert sorted(z.namelist()) == ["cap/README.md", "cap/capsule.json", "cap/capsule.safetensors",
+                                        "cap/results.json"]
+    assert export_zip(folder, tmp_path / "elsewhere" / "x.zip") == tmp_path / "elsewhere" / "x.zip"
+    unpacked = import_zip(archive, tmp_path / "in")
+    assert unpacked == tmp_path / "in" / "cap"
+    assert sorted(p.name for p in unpacked.iterdir()) == ["README.md", CONFIG_FILE, WEIGHTS_FILE, "results.json"]
+    loaded, task = capt.load_capsule(unpacked, bb)
+    assert task is capt.get_task("rte")
+    before = capt.predict(bb, task, RTE_EXAMPLES, capsule=cap)
+    assert [p.probs for p in capt.predict(bb, task, RTE_EXAMPLES, capsule=loaded)] == [p.probs for p in before]
+    # files at the zip's top (no folder) unpack straight into dest_dir
+    flat = _zip(tmp_path / "flat.zip", [(n, (folder / n).read_bytes()) for n in (CONFIG_FILE, WEIGHTS_FILE)])
+    assert import_zip(flat, tmp_path / "flat") == tmp_path / "flat"
+    assert capt.load_capsule(tmp_path / "flat", bb)[1] is task
+    # never over an existing capsule
+    with pytest.raises(capt.CaptError, match="already exists"):
+        import_zip(archive, tmp_path / "in")
+    with pytest.raises(capt.CaptError, match="not a capsule folder"):
+        export_zip(tmp_path / "in")
+
+
+@pytest.mark.parametrize("case", ["dotdot", "absolute", "extra_file", "oversize", "symlink", "two_folders",
+                                  "no_weights", "not_a_capsule", "not_a_zip"])
+def test_unsafe_or_wrong_zips_are_refused_and_nothing_is_written(tmp_path, case):
+    import stat
+    import zipfile
+
+    from capt.io import import_zip
+
+    _, _, folder = _capsule_folder(tmp_path / "src")
+    good = [(f"cap/{n}", (folder / n).read_bytes()) for n in (CONFIG_FILE, WEIGHTS_FILE)]
+    outside = tmp_path / f"{case}-evil"   # where an absolute member would land
+    link = zipfile.ZipInfo("cap/results.json")
+    link.external_attr = (stat.S_IFLNK | 0o777) << 16
+    members, limit, expected = {
+        "dotdot": (good + [("../evil", b"x")], None, "unsafe path '../evil'"),
+        "absolute": (good + [(str(outside), b"x")], None, "unsafe path"),
+        "extra_file": (good + [("cap/evil.py", b"import os")], None, "not part of a capsule: cap/evil.py"),
+        "oversize": (good + [("cap/README.md", b"0" * 4096)], 4000, "more than the 4,000 allowed"),
+        "symlink": (good + [(link, "/etc/passwd")], None, "symbolic link"),
+        "two_folders": ([good[0], ("other/" + WEIGHTS_FILE, good[1][1])], None, "all in one folder"),
+        "no_weights": (good[:1], None, f"no {WEIGHTS_FILE}"),
+        "not_a_capsule": ([("cap/" + CONFIG_FILE, b'{"format": "other"}'), good[1]], None, "not a CaPT capsule"),
+        "not_a_zip": (None, None, "is not a zip file: upload a zipped capsule folder"),
+    }[case]
+    archive = tmp_path / "up.zip"
+    if members is None:
+        archive.write_text("not a zip")
+    else:
+        _zip(archive, members)
+    box = tmp_path / "box"
+    box.mkdir()
+    before = _tree(tmp_path)
+    with pytest.raises(capt.CaptError, match=expected):
+        import_zip(archive, box / "dest", **({"max_bytes": limit} if limit else {}))
+    assert _tree(tmp_path) == before   # nothing unpacked, inside dest_dir or out of it
+    assert not outside.exists() and not (tmp_path / "evil").exists()
+
+
+def test_find_capsules_lists_only_folders_with_a_capsule_json(tmp_path):
+    from capt.io import find_capsules
+
+    root = tmp_path / "capsules"
+    for backbone, task in (("tiny-llama", "rte"), ("tiny-llama", "cb"), ("tiny-qwen2", "rte")):
+        _capsule_folder(root / backbone, task, task)
+    (root / "tiny-llama" / "empty").mkdir()                           # no capsule.json
+    (root / "tiny-llama" / "wic").mkdir()
+    (root / "tiny-llama" / "wic" / WEIGHTS_FILE).write_bytes(b"")     # weights alone are no capsule
+    (root / "tiny-llama" / "notes.txt").write_text("a file, not a folder")
+    _capsule_folder(root / "tiny-llama", ".cb.tmp-123", "cb")        # an unfinished atomic write
+    assert find_capsules(root, "tiny-llama") == [root / "tiny-llama" / "cb", root / "tiny-llama" / "rte"]
+    assert find_capsules(root, "tiny-qwen2") == [root / "tiny-qwen2" / "rte"]
+    assert find_capsules(root) == [root / "tiny-llama" / "cb", root / "tiny-llama" / "rte",
+                                   root / "tiny-qwen2" / "rte"]
+    for name in ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M", "..", ""):
+        assert find_capsules(root, name) == []
+    assert find_capsules(tmp_path / "nowhere", "tiny-llama") == []
+
+
+def test_capsule_task_reads_the_saved_task_without_the_weights(tmp_path):
+    from capt.io import capsule_task
+
+    bb = tiny("tiny-llama")
+    folder = capt.save_capsule(random_capsule(bb), tmp_path / "rte", bb, capt.get_task("rte"))
+    (folder / WEIGHTS_FILE).unlink()   # only capsule.json is read
+    assert capsule_task(folder) is capt.get_task("rte")
+    own = capt.custom_task("sentiment", ["review"], {"pos": " good", "neg": " bad"})
+    loaded = capsule_task(capt.save_capsule(random_capsule(bb), tmp_path / "own", bb, own))
+    assert (loaded.name, loaded.labels, loaded.fields) == ("sentiment", own.labels, own.fields)
+    assert loaded.render({"review": "Fine."}, "lm") == own.render({"review": "Fine."}, "lm")
+    assert capsule_task(capt.save_capsule(random_capsule(bb), tmp_path / "none", bb)) is None
+    with pytest.raises(capt.CaptError, match="not a capsule folder"):
+        capsule_task(tmp_path / "nowhere")

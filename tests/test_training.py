@@ -172,6 +172,10 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     assert "python -m train compare" in text and "| zero-shot |" in text and "| majority |" in text
     capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
     assert task.name == "toy"
+    capsys.readouterr()
+    assert card([str(tmp_path / "shipped"), "--table"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| task | metric | capt | zero-shot | majority |") and "| toy | accuracy |" in table
 
 
 def test_two_processes_under_accelerate_launch(toy_csv, tmp_path):

@@ -1,6 +1,7 @@
 """Turn a `python -m train compare ... --out RUN` folder into a shipped capsule with its model card.
 
     python -m train.card runs/cb --to capsules/smollm2-135m/cb
+    python -m train.card capsules/smollm2-135m --table        # the README's cross-task table
 
 Copies RUN/capt/capsule (capsule.json + capsule.safetensors) and writes README.md beside it with the
 exact command, the data split, the training time measured on this machine and the test metrics of every
@@ -84,12 +85,37 @@ def _machine() -> str:
         ", CUDA" if torch.cuda.is_available() else ", no GPU")
 
 
+def results_table(folder: Path) -> str:
+    """One Markdown table across the shipped capsules under `folder` (capsules/<backbone>): the main
+    test metric of every method per task, read from each capsule's results.json."""
+    runs = sorted(p.parent for p in Path(folder).glob("*/results.json"))
+    if not runs:
+        return f"(no shipped capsules with results.json under {folder})"
+    methods = ["capt", "zero-shot", "majority", "linear-head", "p-tuning-v2"]
+    lines = ["| task | metric | " + " | ".join(methods) + " | CaPT training |", "|" + "---|" * (len(methods) + 3)]
+    for run in runs:
+        compare = json.loads((run / "results.json").read_text())
+        rows = {r["method"]: r for r in compare["rows"]}
+        metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
+        cells = [f"{100 * rows[m]['test_' + metric]:.1f}" if m in rows else "-" for m in methods]
+        minutes = rows["capt"]["train_seconds"] / 60
+        lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {minutes:.0f} min |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.card", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", help="the --out folder of a `python -m train compare` run that included capt")
-    p.add_argument("--to", required=True, help="the shipped capsule folder to write")
+    p.add_argument("run", help="the --out folder of a `python -m train compare` run that included capt, or "
+                               "with --table a folder of shipped capsules (capsules/<backbone>)")
+    p.add_argument("--to", help="the shipped capsule folder to write")
+    p.add_argument("--table", action="store_true", help="print the cross-task results table instead")
     args = p.parse_args(argv)
+    if args.table:
+        print(results_table(Path(args.run)))
+        return 0
+    if not args.to:
+        p.error("--to is required unless --table is given")
     run = Path(args.run)
     try:
         compare = json.loads((run / "compare.json").read_text())
