@@ -81,6 +81,9 @@ def atomic_folder(folder: Path):
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a capsule folder is an ordinary folder
     try:
         yield tmp
         if folder.exists():

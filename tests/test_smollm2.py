@@ -108,3 +108,22 @@ def test_attention_anchor_vs_sink_on_the_real_model(smol):
     for rep in (with_cap, bare):
         assert abs(rep.maps.sum(-1) - 1).max() < 1e-4
         assert rep.anchor_mass().mean() > 0.05  # an anchor/sink gets a visible share of attention
+
+
+def test_shipped_capsules_load_and_reproduce_their_cards(smol):
+    """Every shipped capsule loads on its backbone, predicts, and its saved metrics are the card's."""
+    from pathlib import Path
+
+    shipped = sorted((Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m").glob("*/capsule.json"))
+    for config in shipped:
+        folder = config.parent
+        capsule, task = capt.load_capsule(folder, smol)
+        assert task.name == folder.name and capsule.n_capsule_params() == 17_280
+        example = capt.load_examples(task, "val", limit=1)[0]
+        assert abs(sum(capt.predict(smol, task, example, capsule=capsule).probs.values()) - 1) < 1e-5
+        results = json.loads((folder / "results.json").read_text())
+        row = next(r for r in results["rows"] if r["method"] == "capt")
+        saved = json.loads(config.read_text())["metrics"]
+        assert all(abs(row[f"test_{k}"] - v) < 1e-12 for k, v in saved.items())
+        card = (folder / "README.md").read_text()
+        assert results["command"] in card and f"{100 * row['test_accuracy']:.1f}" in card

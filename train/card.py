@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from capt.io import atomic_folder
+from capt.training import DEFAULT_LR
+
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
@@ -66,8 +69,8 @@ capt.predict(bb, task, example, capsule=capsule)
 - Data: {summary['data']}; {summary['n_train']} train, {summary['n_dev']} dev (model selection), {summary['n_test']}
   test examples.
 - Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
-  batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else 'method default'}, seed {cfg['seed']},
-  {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.
+  batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else DEFAULT_LR[summary['method']]}, seed
+  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.
 
 ## Test results (same split, same loop, `python -m train compare`)
 
@@ -75,9 +78,28 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
+{_notes(rows, metric_keys[0], cfg, summary)}
+
 Metrics are percentages on the test split named above. Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
 """
+
+
+def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict) -> str:
+    """What a reader should know before trusting the table, derived from the run itself."""
+    capt_score = next(r[metric] for r in rows if r["method"] == "capt")
+    ahead = [f"{r['method']} ({_pct(r[metric])})" for r in rows
+             if r["method"] not in ("capt", "zero-shot", "majority") and r[metric] > capt_score]
+    notes = []
+    if cfg.get("max_minutes") or cfg.get("max_steps"):
+        budget = f"{cfg['max_minutes']:g} minutes" if cfg.get("max_minutes") else f"{cfg['max_steps']} steps"
+        notes.append(f"Every trained method had the same short budget ({budget} on this CPU), far from the "
+                     "paper's 50 epochs with early stopping; these are short-budget numbers, not converged ones.")
+    if ahead:
+        notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
+    notes.append(f"The test split has {summary['n_test']} examples: one example is "
+                 f"{100 / summary['n_test']:.1f} points. One seed ({cfg['seed']}).")
+    return "\n".join(f"- {n}" for n in notes)
 
 
 def _machine() -> str:
@@ -126,14 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = compare.get("command", "(command not recorded)")
     target = Path(args.to)
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(run / "capt" / "capsule", tmp)
-    (tmp / "README.md").write_text(card_text(compare, summary, command))
-    (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, target)
+    with atomic_folder(target) as tmp:
+        for f in (run / "capt" / "capsule").iterdir():
+            shutil.copy(f, tmp / f.name)
+        (tmp / "README.md").write_text(card_text(compare, summary, command))
+        (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
     print(f"wrote {target}")
     return 0
 
