@@ -254,3 +254,28 @@ def test_capsule_task_reads_the_saved_task_without_the_weights(tmp_path):
     assert capsule_task(capt.save_capsule(random_capsule(bb), tmp_path / "none", bb)) is None
     with pytest.raises(capt.CaptError, match="not a capsule folder"):
         capsule_task(tmp_path / "nowhere")
+
+
+def test_hub_path_loads_a_local_checkpoint_folder(tmp_path):
+    """load_backbone's hub branch (AutoConfig -> AutoModelFor{Seq2Seq,Causal}LM + AutoTokenizer) on a saved
+    checkpoint folder: the same code a hub id runs, without a network."""
+    for name in ("tiny-t5", "tiny-qwen2"):
+        bb = tiny(name)
+        folder = tmp_path / name
+        bb.model.save_pretrained(folder)
+        bb.tokenizer.save_pretrained(folder)
+        again = capt.load_backbone(str(folder), device="cpu")
+        assert again.name == str(folder) and again.encoder_decoder == bb.encoder_decoder
+        cap = random_capsule(bb)
+        before = capt.predict(bb, "rte", RTE_EXAMPLES[0], capsule=cap)
+        assert capt.predict(again, "rte", RTE_EXAMPLES[0], capsule=cap).probs == pytest.approx(before.probs)
+
+
+def test_bfloat16_on_request():
+    bb = capt.load_backbone("tiny-llama", dtype="bfloat16", device="cpu")
+    cap = capt.Capsule.for_backbone(bb)
+    assert bb.dtype == torch.bfloat16 and cap.weight.dtype == torch.bfloat16
+    pred = capt.predict(bb, "rte", RTE_EXAMPLES[0], capsule=cap)
+    assert abs(sum(pred.probs.values()) - 1) < 1e-3
+    with pytest.raises(capt.CaptError, match="dtype='float8' is not valid"):
+        capt.load_backbone("tiny-llama", dtype="float8")

@@ -127,3 +127,17 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
         assert all(abs(row[f"test_{k}"] - v) < 1e-12 for k, v in saved.items())
         card = (folder / "README.md").read_text()
         assert results["command"] in card and f"{100 * row['test_accuracy']:.1f}" in card
+
+
+def test_gemma3_270m_embedded_backbone():
+    """The second embedded backbone: de-quantized from its PyPI chunk wheels once (about 2 minutes on 2
+    cores), then cached; 18 layers x d=640 gives an 11,520-number capsule."""
+    bb = capt.load_backbone("gemma3-270m", device="cpu")
+    assert bb.describe()["model_type"] == "gemma3_text" and (bb.n_layers, bb.hidden_size) == (18, 640)
+    cap = capt.Capsule.for_backbone(bb)
+    assert cap.n_capsule_params() == 11_520
+    on = capt.predict(bb, "rte", RTE_EXAMPLES[0], capsule=cap)
+    off = capt.predict(bb, "rte", RTE_EXAMPLES[0])
+    assert abs(sum(on.probs.values()) - 1) < 1e-5 and on.probs != off.probs
+    assert bb.tokenizer.bos_token_id is not None
+    assert capt.attention(bb, "The cat sat.").anchor_label == "BOS"  # Gemma's tokenizer adds <bos>
