@@ -95,6 +95,9 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict) -> str:
         budget = f"{cfg['max_minutes']:g} minutes" if cfg.get("max_minutes") else f"{cfg['max_steps']} steps"
         notes.append(f"Every trained method had the same short budget ({budget} on this CPU), far from the "
                      "paper's 50 epochs with early stopping; these are short-budget numbers, not converged ones.")
+        if cfg.get("max_minutes"):
+            notes.append("A wall-clock budget gives fewer steps to a method that ran while the machine was busy "
+                         "with other work; step counts are in each run's summary.json.")
     if ahead:
         notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
