@@ -27,13 +27,14 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def card_text(compare: dict, summary: dict, command: str) -> str:
+def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None) -> str:
     rows = compare["rows"]
+    steps = steps or {}
     metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
-    head = "| method | trainable params | train time (s) | " + " | ".join(k[5:] for k in metric_keys) + " |"
-    table = [head, "|" + "---|" * (3 + len(metric_keys))]
+    head = "| method | trainable params | train time (s) | steps | " + " | ".join(k[5:] for k in metric_keys) + " |"
+    table = [head, "|" + "---|" * (4 + len(metric_keys))]
     for r in rows:
-        table.append(f"| {r['method']} | {r['trainable']:,} | {r['train_seconds']:.0f} | "
+        table.append(f"| {r['method']} | {r['trainable']:,} | {r['train_seconds']:.0f} | {steps.get(r['method'], '-')} | "
                      + " | ".join(_pct(r[k]) for k in metric_keys) + " |")
     cfg = summary["config"]
     capt_row = next(r for r in rows if r["method"] == "capt")
@@ -154,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_folder(target) as tmp:
         for f in (run / "capt" / "capsule").iterdir():
             shutil.copy(f, tmp / f.name)
-        (tmp / "README.md").write_text(card_text(compare, summary, command))
+        steps = {r["method"]: json.loads((run / r["method"] / "summary.json").read_text()).get("steps")
+                 for r in compare["rows"] if (run / r["method"] / "summary.json").exists()}
+        (tmp / "README.md").write_text(card_text(compare, summary, command, steps))
         (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
     print(f"wrote {target}")
     return 0
