@@ -30,7 +30,7 @@ from .backbones import Backbone, load_backbone
 from .config import CapsuleConfig
 from .errors import CaptError
 from .methods import METHODS, TRAINABLE, Method, make_method
-from .tasks import Rendered, Task, custom_task, get_task, load_examples, load_file, split_note
+from .tasks import Task, custom_task, get_task, load_examples, load_file, split_note
 
 DEFAULT_LR = {"capt": 3e-2, "deep-prompt-1": 3e-2, "linear-head": 1e-3, "prompt-tuning": 3e-1,
               "p-tuning-v2": 1e-2}
