@@ -98,7 +98,7 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict) -> str:
                      "paper's 50 epochs with early stopping; these are short-budget numbers, not converged ones.")
         if cfg.get("max_minutes"):
             notes.append("A wall-clock budget gives fewer steps to a method that ran while the machine was busy "
-                         "with other work; step counts are in each run's summary.json.")
+                         "with other work; see the steps column.")
     if ahead:
         notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
