@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from .backbones import Backbone, load_backbone
 from .config import CapsuleConfig
 from .errors import CaptError
+from .io import atomic_folder
 from .methods import METHODS, TRAINABLE, Method, make_method
 from .tasks import Task, custom_task, get_task, load_examples, load_file, split_note
 
@@ -391,15 +392,9 @@ def _save_checkpoint(folder: Path, method: Method, optimizer, state: dict, best_
         for p in group["params"]:
             for k, v in optimizer.state.get(p, {}).items():
                 tensors[f"opt/{names[id(p)]}/{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_tensors(tensors, str(tmp / "state.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(state))
-    if folder.exists():
-        for f in folder.iterdir():
-            f.unlink()
-        folder.rmdir()
-    os.replace(tmp, folder)
+    with atomic_folder(folder) as tmp:
+        save_tensors(tensors, str(tmp / "state.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(state))
 
 
 def _load_checkpoint(folder: Path, method: Method, optimizer, state: dict) -> dict:
@@ -440,11 +435,8 @@ def train_seeds(cfg: TrainConfig, seeds: list[int], backbone: Backbone | None = 
     summary["best_seed"] = seeds[best]
     if cfg.out_dir and runs[best].get("artifact"):
         target = Path(cfg.out_dir) / Path(runs[best]["artifact"]).name
-        tmp = Path(cfg.out_dir) / f".{target.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(runs[best]["artifact"], tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+        with atomic_folder(target) as tmp:
+            shutil.copytree(runs[best]["artifact"], tmp, dirs_exist_ok=True)
         summary["artifact"] = str(target)
     if cfg.out_dir:
         Run(cfg.out_dir).write_json("summary.json", summary)
