@@ -257,7 +257,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
 
     params = [p for p in method.parameters() if p.requires_grad]
     state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
-             "best_step": 0, "stopped_by": None}
+             "best_step": 0, "stopped_by": None, "best_dev": None}
     best_params = {k: v.detach().clone() for k, v in method.state_dict().items()}
     if cfg.method in TRAINABLE:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -269,7 +269,8 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
         state["stopped_by"] = "no training"
 
     test = evaluate(method, data.test, accelerator=accelerator)
-    dev = evaluate(method, data.dev, accelerator=accelerator)
+    # the kept state's dev metrics were measured when it was kept; only untrained methods need a pass
+    dev = state["best_dev"] or evaluate(method, data.dev, accelerator=accelerator)
     summary.update(steps=state["step"], best_step=state["best_step"], stopped_by=state["stopped_by"],
                    train_seconds=round(state["elapsed"], 1), wall_seconds=round(time.time() - started, 1),
                    dev=dev, test=test)
@@ -300,7 +301,7 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
         dev = evaluate(method, data.dev, accelerator=accelerator)
         improved = dev[key] > state["best"]
         if improved:
-            state.update(best=dev[key], best_step=state["step"], bad_evals=0)
+            state.update(best=dev[key], best_step=state["step"], bad_evals=0, best_dev=dev)
             best_params.update({k: v.detach().clone() for k, v in method.state_dict().items()})
         else:
             state["bad_evals"] += 1
