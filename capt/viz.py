@@ -17,7 +17,7 @@ import traceback
 
 import numpy as np
 
-WITH_COLOR, WITHOUT_COLOR = "#d9480f", "#748ffc"
+WITH_COLOR, WITHOUT_COLOR, SOFT_COLOR = "#d9480f", "#748ffc", "#2b8a3e"
 _MAX_TICKS = 60  # longer inputs label every k-th token so the axes stay readable
 
 
@@ -76,10 +76,10 @@ def attention_figure(report, layer: int | None = None, head: int | None = None, 
         hover = dict(hovertemplate="query %{y}, key %{x}<br>attention %{z:.4f}<extra></extra>")
     fig = go.Figure(go.Heatmap(z=z, zmin=0.0, zmax=zmax if zmax is not None else float(z.max()),
                                colorscale="Viridis", colorbar={"title": "attn"}, **hover))
-    a, n = report.anchor, len(tokens)
+    a, n, span = report.anchor, len(tokens), _span(report)
     outline = {"color": "#ff6b6b", "width": 2}
-    fig.add_shape(type="rect", x0=a - 0.5, x1=a + 0.5, y0=-0.5, y1=n - 0.5, line=outline)
-    fig.add_shape(type="rect", x0=-0.5, x1=n - 0.5, y0=a - 0.5, y1=a + 0.5, line={**outline, "dash": "dot"})
+    fig.add_shape(type="rect", x0=a - 0.5, x1=a + span - 0.5, y0=-0.5, y1=n - 0.5, line=outline)
+    fig.add_shape(type="rect", x0=-0.5, x1=n - 0.5, y0=a - 0.5, y1=a + span - 0.5, line={**outline, "dash": "dot"})
     fig.add_annotation(x=a, y=-0.5, text=f"{report.anchor_label}", showarrow=True, arrowhead=2, ax=30, ay=-28,
                        font={"color": "#c92a2a"})
     ticks, text = _tick_labels(tokens)
@@ -89,6 +89,10 @@ def attention_figure(report, layer: int | None = None, head: int | None = None, 
     where = ("mean over layers and heads" if layer is None and head is None else
              f"layer {layer if layer is not None else 'mean'}, head {head if head is not None else 'mean'}")
     return _layout(fig, f"{title} — {where}" if title else where, height=max(420, min(900, 14 * n + 160)))
+
+
+def _span(report) -> int:   # anchor positions: 1, or a soft prompt's m tokens
+    return int(getattr(report, "anchor_span", 1) or 1)
 
 
 def anchor_mass_figure(report, title: str = "", zmax: float | None = None) -> "object":
@@ -106,14 +110,17 @@ def anchor_mass_figure(report, title: str = "", zmax: float | None = None) -> "o
     return _layout(fig, f"{title} — {name}" if title else name, height=max(320, min(700, 18 * layers + 140)))
 
 
-def anchor_by_layer_figure(with_report, without_report, capsule_name: str = "capsule") -> "object":
-    """Per layer, the mean (over heads and tokens) attention paid to the anchor: capsule vs sink."""
+def anchor_by_layer_figure(with_report, without_report, capsule_name: str = "capsule", soft_report=None,
+                           soft_name: str = "soft prompt") -> "object":
+    """Per layer, the mean (over heads and tokens) attention paid to the anchor: capsule vs sink (vs the tokens
+    of a trained soft prompt, when given)."""
     go = _go()
     fig = go.Figure()
     for report, name, color in ((with_report, f"with {capsule_name}: {getattr(with_report, 'anchor_label', '')}",
                                  WITH_COLOR),
                                 (without_report, f"without: {getattr(without_report, 'anchor_label', '')}",
-                                 WITHOUT_COLOR)):
+                                 WITHOUT_COLOR),
+                                (soft_report, f"with {soft_name}: its {_span(soft_report)} tokens", SOFT_COLOR)):
         if report is None:
             continue
         per_layer = report.anchor_mass().mean(1)
@@ -168,11 +175,11 @@ def shared_max(*arrays: np.ndarray | None) -> float:
 
 
 def attention_panel(with_report, without_report, layer: int | None = None, head: int | None = None,
-                    name: str = "capsule") -> tuple[tuple, str]:
-    """The Attention view: (maps with/without, anchor mass with/without, per-layer anchor vs sink) and a
-    one-paragraph summary. layer/head None or negative: the mean over all. Colour ranges are shared by both
-    sides (maps clipped at the largest value off the anchor's row and column, so the sink does not wash out
-    the rest)."""
+                    name: str = "capsule", soft_report=None, soft_name: str = "soft prompt") -> tuple[tuple, str]:
+    """The Attention view: (maps with / without / with a soft prompt, anchor mass with / without / soft prompt,
+    per-layer anchor vs sink) and a one-paragraph summary; the soft-prompt figures are None without one.
+    layer/head None or negative: the mean over all. Colour ranges are shared by all sides (maps clipped at
+    the largest value off the anchor's rows and columns, so the sink does not wash out the rest)."""
     from .errors import CaptError
 
     for what, value, n in (("layer", layer, with_report.maps.shape[0]), ("head", head, with_report.maps.shape[1])):
@@ -180,26 +187,48 @@ def attention_panel(with_report, without_report, layer: int | None = None, head:
             raise CaptError(f"{what} {value} does not exist: there are {what}s 0..{n - 1} (-1 = the mean)")
     layer = None if layer is None or layer < 0 else int(layer)
     head = None if head is None or head < 0 else int(head)
+    reports = [r for r in (with_report, without_report, soft_report) if r is not None]
 
-    def off_anchor(report):  # the map without the anchor's row and column
-        keep = [i for i in range(len(report.tokens)) if i != report.anchor]
+    def off_anchor(report):  # the map without the anchor's rows and columns
+        span = range(report.anchor, report.anchor + _span(report))
+        keep = [i for i in range(len(report.tokens)) if i not in span]
         return report.mean_map(layer, head)[np.ix_(keep, keep)]
 
-    zmax = max(1e-6, shared_max(off_anchor(with_report), off_anchor(without_report)))
-    mmax = shared_max(with_report.anchor_mass(), without_report.anchor_mass())
+    zmax = max(1e-6, shared_max(*map(off_anchor, reports)))
+    mmax = shared_max(*(r.anchor_mass() for r in reports))
+    soft = soft_report is not None
     figs = (attention_figure(with_report, layer, head, f"with {name}", zmax=zmax),
             attention_figure(without_report, layer, head, "without capsule", zmax=zmax),
+            attention_figure(soft_report, layer, head, f"with {soft_name}", zmax=zmax) if soft else None,
             anchor_mass_figure(with_report, f"with {name}", zmax=mmax),
             anchor_mass_figure(without_report, "without capsule", zmax=mmax),
-            anchor_by_layer_figure(with_report, without_report, name))
+            anchor_mass_figure(soft_report, f"with {soft_name}", zmax=mmax) if soft else None,
+            anchor_by_layer_figure(with_report, without_report, name, soft_report, soft_name))
     n_layers, n_heads = with_report.maps.shape[:2]
     text = (f"{len(with_report.tokens)} positions with the {name}, {len(without_report.tokens)} without · "
             f"{n_layers} layers × {n_heads} heads. Mean attention the other tokens pay to the anchor: "
             f"**{with_report.anchor_mass().mean():.3f}** (the {name}) vs **{without_report.anchor_mass().mean():.3f}**"
-            f" ({without_report.anchor_label}, without a capsule). Colour ranges are shared by both sides.")
-    if with_report.truncated:
+            f" ({without_report.anchor_label}, without a capsule)")
+    if soft:
+        text += (f" vs **{soft_report.anchor_mass().mean():.3f}** (all {_span(soft_report)} tokens of the "
+                 f"{soft_name} together)")
+    text += ". Colour ranges are shared by all maps."
+    if any(r.truncated for r in reports):
         text += "\n\n⚠ the input was cut to the backbone's limit."
     return figs, text
+
+
+def probe_figure(accuracy: dict[int, float], n_examples: int, title: str = "") -> "object":
+    """Bars: accuracy on a val sample for each number k of mean-pooled instance tokens (k = 0: as trained)."""
+    go = _go()
+    ks = sorted(accuracy)
+    values = [accuracy[k] for k in ks]
+    fig = go.Figure(go.Bar(x=[str(k) for k in ks], y=values, text=[f"{100 * v:.1f}%" for v in values],
+                           textposition="outside",
+                           marker_color=[WITHOUT_COLOR if k == 0 else WITH_COLOR for k in ks]))
+    fig.update_xaxes(title="pooled instance tokens prepended (0 = the capsule as trained)", type="category")
+    fig.update_yaxes(title=f"accuracy on {n_examples} val examples", range=[0, 1.12], tickformat=".0%")
+    return _layout(fig, title or "Training-free probe: k mean-pooled instance tokens")
 
 
 def error_message(e: Exception) -> str:
