@@ -9,13 +9,21 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import capt
 from capt import CaptError, viz
+from capt.analysis import pooled_token_probe
 from capt.config import FUSIONS, HEADS, LAYER_PRESETS, PLACEMENTS
-from capt.io import capsule_task, export_zip, find_capsules, import_zip, read_config
+from capt.io import capsule_task, export_zip, find_capsules, find_soft_prompts, import_zip, read_config
 from capt.training import TrainConfig, prepare_data, train
+
+try:   # Hugging Face ZeroGPU Spaces: a GPU is lent per call of a function decorated with spaces.GPU
+    import spaces
+    GPU = spaces.GPU
+except ImportError:   # locally and on CPU Spaces: plain calls
+    GPU = None
 
 SHIPPED = Path(__file__).resolve().parent / "capsules"
 WORK_DIR = Path(os.environ.get("CAPT_APP_DIR", Path(tempfile.gettempdir()) / "capt-app"))
@@ -29,6 +37,11 @@ PRESETS = {"quick: 20 steps": dict(max_steps=20, eval_every=10, max_dev=64, max_
            "long: 30 minutes": dict(max_minutes=30, eval_every=50, max_dev=256, max_test=512),
            "paper protocol (hours on CPU)": dict(eval_every=50)}
 OWN_FILE = "my file (CSV / JSONL)"
+TRAIN_METHODS = {"capt": "CaPT (a capsule)", "deep-prompt-1": "deep prompt, 1 token per layer (no instance mean)",
+                 "prompt-tuning": "PEFT prompt tuning (a soft prompt)", "p-tuning-v2": "PEFT P-tuning v2 (prefix)",
+                 "linear-head": "linear head on the frozen backbone"}
+PROBE_KS = (1, 2, 3, 4, 10)   # the paper's training-free probe: pooled instance tokens prepended
+GPU_CHUNK_S = int(os.environ.get("CAPT_GPU_CHUNK_S", 240))   # ZeroGPU: seconds of training per GPU call
 API_DOC = """Every action is an endpoint (`/predict`, `/attention`, `/train`, `/stop`; see "Use via API" below).
 One `gradio_client.Client` is one session: the capsule `/train` returns (its 8th output) stays usable for it:
 ```python
@@ -71,6 +84,19 @@ def capsule_choices(backbone: str, session: dict | None) -> list[tuple[str, str]
 
 def known_capsule(value: str, session: dict | None) -> bool:   # only these are read, not a typed-in path
     return value in {str(c) for c in find_capsules(SHIPPED)} | {c["path"] for c in (session or {}).get("capsules", [])}
+
+
+def soft_prompt_choices(backbone: str, session: dict | None) -> list[tuple[str, str]]:
+    """(label, value): no comparison, this backbone's shipped soft prompts, this session's trained ones."""
+    key = norm_backbone(backbone)
+    shipped = [(f"shipped: {p.parent.name}/{p.name}", str(p)) for p in find_soft_prompts(SHIPPED, key)]
+    mine = [(c["label"], c["path"]) for c in (session or {}).get("soft_prompts", []) if c["backbone"] == key]
+    return [("none", NONE)] + shipped + mine
+
+
+def known_soft_prompt(value: str, session: dict | None) -> bool:
+    return value in {str(p) for p in find_soft_prompts(SHIPPED)} | {
+        c["path"] for c in (session or {}).get("soft_prompts", [])}
 
 
 def resolve(backbone: str, capsule: str, task: str, session: dict | None):
@@ -157,19 +183,63 @@ def predict_view(backbone: str, capsule: str = NONE, task: str = "rte", session:
 
 
 def attention_view(backbone: str, capsule: str = NONE, task: str = "rte", layer: int = -1, head: int = -1,
-                   session: dict | None = None, hub_id: str = "", picked: dict | None = None, **fields):
-    """(maps with/without, anchor mass with/without, per layer, markdown, error); layer/head -1: the mean. With no
-    capsule chosen, an untrained one (W = 0: the instance mean alone, a training-free pooled token) is the anchor."""
+                   session: dict | None = None, hub_id: str = "", picked: dict | None = None,
+                   soft_prompt: str = NONE, **fields):
+    """(maps with / without / with the soft prompt, anchor mass the same three, per layer, markdown, error);
+    layer/head -1: the mean. With no capsule chosen, an untrained one (W = 0: the instance mean alone, a
+    training-free pooled token) is the anchor. The soft-prompt figures are None unless one is chosen."""
     try:
         (bb, cap, t, _), name = resolve(hub_id or backbone, capsule, task, session), "capsule"
         if cap is None:
             cap, name = capt.Capsule.for_backbone(bb, n_labels=len(t.labels)), "untrained capsule (W=0)"
+        soft, soft_name = None, "soft prompt"
+        if soft_prompt and soft_prompt != NONE:
+            if not known_soft_prompt(soft_prompt, session):
+                raise CaptError(f"unknown soft prompt {soft_prompt!r}: choose one from the list, or train one "
+                                "(Train tab, method prompt-tuning) first")
+            soft = capt.load_soft_prompt(soft_prompt, bb)
+            soft_name = f"soft prompt ({soft.embeddings.shape[0]} tokens)"
         prompt = t.render(make_example(t, fields, picked), bb.style).prompt
         with_r, without_r = capt.attention(bb, prompt, capsule=cap), capt.attention(bb, prompt)
-        figs, text = viz.attention_panel(with_r, without_r, int(layer), int(head), name)
+        soft_r = capt.attention(bb, prompt, soft_prompt=soft) if soft is not None else None
+        figs, text = viz.attention_panel(with_r, without_r, int(layer), int(head), name, soft_r, soft_name)
         return *figs, text, ""
     except Exception as e:
-        return None, None, None, None, None, "", viz.error_message(e)
+        return (None,) * 7 + ("", viz.error_message(e))
+
+
+def probe_view(backbone: str, capsule: str = NONE, task: str = "rte", n_examples: int = 32, ks=PROBE_KS,
+               session: dict | None = None, hub_id: str = "", seed: int = 0):
+    """The paper's training-free probe: (accuracy bars for k = 0 and each k in ks, markdown, error) on a fixed
+    random sample of the task's val split. The capsule is used as trained, with k mean-pooled instance tokens
+    prepended at every capsule layer; with no capsule, an untrained deep prompt (W = 0)."""
+    try:
+        bb, cap, t, notes = resolve(hub_id or backbone, capsule, task, session)
+        if t not in capt.TASKS.values():
+            raise CaptError("the probe measures accuracy on a built-in task's val split; choose one of "
+                            + ", ".join(capt.TASKS))
+        n = int(n_examples or 0)
+        if not 4 <= n <= 1000:
+            raise CaptError(f"sample size {n} is out of range; valid: 4..1000 val examples")
+        chosen = sorted({int(k) for k in ks or ()})
+        if not chosen or not all(1 <= k <= 64 for k in chosen):
+            raise CaptError(f"choose one or more numbers of pooled tokens in 1..64 (the paper: {PROBE_KS})")
+        name = "the chosen capsule"
+        if cap is None:
+            cap = capt.Capsule.for_backbone(bb, capt.CapsuleConfig(fusion="none"), n_labels=len(t.labels))
+            name = "an untrained deep prompt (W = 0: only the pooled tokens carry information)"
+        val = capt.load_examples(t, "val")
+        examples = random.Random(seed).sample(val, min(n, len(val)))
+        accuracy = pooled_token_probe(bb, t, examples, cap, ks=[0, *chosen])
+        fig = viz.probe_figure(accuracy, len(examples), f"{t.name} on {bb.name}: k pooled tokens before {name}")
+        best = max(accuracy, key=accuracy.get)
+        text = (f"Accuracy of {name} on {len(examples)} random {t.name} val examples (seed {seed}) with k mean-pooled "
+                f"instance tokens prepended at every capsule layer, nothing trained: "
+                + " · ".join(f"k={k}: **{100 * a:.1f} %**" for k, a in accuracy.items())
+                + f". Best: k={best}. The paper finds one pooled token helps and more tokens hurt.")
+        return fig, text + "".join(f"\n\n⚠ {x}" for x in notes), ""
+    except Exception as e:
+        return None, "", viz.error_message(e)
 
 
 def parse_label_words(text: str) -> dict:
@@ -184,16 +254,20 @@ def parse_label_words(text: str) -> dict:
 def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file: str | None = None,
                  columns: str = "", label_column: str = "label", label_words: str = "", lr: float | None = None,
                  max_steps: int | None = None, batch_size: int = 8, seed: int = 0, fusion: str = "add",
-                 placement: str = "slot", layers: str = "all", head: str = "verbalizer") -> TrainConfig:
-    """A validated TrainConfig: a built-in task, or the user's file (`task` names it) when data_file is set."""
+                 placement: str = "slot", layers: str = "all", head: str = "verbalizer",
+                 method: str = "capt") -> TrainConfig:
+    """A validated TrainConfig: a built-in task, or the user's file (`task` names it) when data_file is set.
+    lr 0 / None: the method's default; the capsule options only matter to capt and deep-prompt-1."""
     if preset not in PRESETS:
         raise CaptError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    if method not in TRAIN_METHODS:
+        raise CaptError(f"unknown method {method!r}; valid: {', '.join(TRAIN_METHODS)}")
     spec = str(layers or "all").strip()   # a preset name, or layer indices like "0, 2, 5"
     spec = [int(x) for x in spec.replace(",", " ").split() if x.isdigit()] if spec[:1].isdigit() else spec
     cfg = {**PRESETS[preset], **({"max_steps": int(max_steps), "max_minutes": None} if max_steps else {})}
-    cfg.update(backbone=norm_backbone(backbone), lr=float(lr) if lr else None, batch_size=int(batch_size or 8),
-               seed=int(seed or 0), out_dir=out_dir, capsule=dict(fusion=fusion, placement=placement, layers=spec,
-                                                                 head=head))
+    cfg.update(method=method, backbone=norm_backbone(backbone), lr=float(lr) if lr else None,
+               batch_size=int(batch_size or 8), seed=int(seed or 0), out_dir=out_dir,
+               capsule=dict(fusion=fusion, placement=placement, layers=spec, head=head))
     if not data_file and str(task).lower() not in capt.TASKS:
         raise CaptError(f"no data for task {task!r}: upload a file, or choose one of {', '.join(capt.TASKS)}")
     if not data_file:
@@ -215,7 +289,8 @@ def stop_training(session_id: str) -> str:
 
 def train_run(backbone: str, task: str, preset: str, session: dict, session_id: str = "local", **options):
     """Yields UI states (figures, progress, session; at the end the capsule, its zip and task) while a thread trains."""
-    state = dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, ""), error="")
+    state = dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, ""), error="",
+                 runs=runs_table(session))
     try:
         out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         cfg = train_config(backbone, task, preset, str(out), **options)
@@ -230,7 +305,7 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
         prepare_data(cfg)   # a bad file fails here, before any backbone is loaded
         emit({"kind": "info", "text": f"loading backbone {cfg.backbone}, then training…"})
         bb = get_backbone(cfg.backbone)
-        emit({"kind": "finished", "summary": train(cfg, bb, callback=emit, stop=stop, progress=False)})
+        emit({"kind": "finished", "summary": run_training(cfg, bb, emit, stop)})
 
     try:
         for batch in curves.watch(work, on_error=viz.error_message):
@@ -245,15 +320,77 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
         _STOPS.pop(session_id, None)
 
 
+def train_chunk(cfg: TrainConfig, budget_minutes: float, resume: bool, emit, stop: threading.Event) -> dict:
+    """One time-boxed piece of a run: train until the run's clock reaches budget_minutes, resuming from the
+    checkpoint of the previous piece."""
+    return train(replace(cfg, max_minutes=budget_minutes), get_backbone(cfg.backbone), callback=emit, stop=stop,
+                 resume=resume, progress=False)
+
+
+# ZeroGPU lends a GPU for one decorated call at a time (decorated once, at import, as it requires)
+gpu_train_chunk = GPU(duration=GPU_CHUNK_S + 60)(train_chunk) if GPU else None   # + the chunk's test evaluation
+
+
+def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: threading.Event) -> dict:
+    """capt.training.train; on ZeroGPU the same run in chunks of GPU_CHUNK_S seconds of training, each a GPU call
+    that resumes from the checkpoint the previous one left (a stop or the run's own end ends the loop)."""
+    if gpu_train_chunk is None:
+        return train(cfg, bb, callback=emit, stop=stop, progress=False)
+    total, k = cfg.max_minutes, 0
+    while True:   # max_minutes counts the whole run, so each chunk adds GPU_CHUNK_S to the budget
+        k += 1
+        budget = k * GPU_CHUNK_S / 60 if total is None else min(total, k * GPU_CHUNK_S / 60)
+        summary = gpu_train_chunk(cfg, budget, k > 1, emit, stop)
+        if summary["stopped_by"] != "max_minutes" or budget == total:
+            return {**summary, "gpu_chunks": k}
+        emit({"kind": "info", "text": f"GPU chunk {k} done at step {summary['steps']}; continuing…"})
+
+
+def runs_table(session: dict) -> str:
+    """This session's trained runs side by side (same task and data: a baseline beside the capsule)."""
+    runs = session.get("runs", [])
+    if not runs:
+        return ""
+    rows = [f"| {r['time']} | {r['task']} | {r['method']} | {r['backbone']} | {r['n_trainable']:,} | {r['steps']} | "
+            f"{r['seconds']:.0f} | {r['n_test']} | {r['test']} |" for r in runs]
+    return ("**Runs in this session** (test metrics on each run's test split; the same task and preset give the "
+            "same split)\n\n| time | task | method | backbone | trainable | steps | seconds | test examples | "
+            "test |\n|---|---|---|---|---:|---:|---:|---:|---|\n" + "\n".join(rows))
+
+
 def _finish(summary: dict, session: dict) -> dict:
-    path, key = Path(summary["artifact"]), summary["selection_metric"]
-    label = f"trained: {summary['task']} · {summary['steps']} steps · test {key} {100 * summary['test'][key]:.1f} %"
-    session["capsules"].append({"label": f"{label} · {time.strftime('%H:%M')}", "path": str(path),
-                                "backbone": summary["backbone"]})
-    name = f"capsule-{summary['backbone'].replace('/', '_')}-{summary['task']}-{path.parent.name}"
-    return {"progress": viz.summary_markdown(summary) + " The capsule is now selected in Predict and Attention.",
-            "capsule": str(path), "zip": str(export_zip(path, path.parent / f"{name}.zip")),
-            "task": task_choice(str(path), session)}
+    """Register a finished run in the session: a capsule (capt, deep-prompt-1) is selected in Predict and
+    Attention, a soft prompt (prompt-tuning) is offered for the attention comparison; every run joins the table."""
+    key, method = summary["selection_metric"], summary["method"]
+    scores = " · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items())
+    session.setdefault("runs", []).append(dict(
+        time=time.strftime("%H:%M:%S"), task=summary["task"], method=method, backbone=summary["backbone"],
+        n_trainable=summary["n_trainable"], steps=summary["steps"], seconds=summary["train_seconds"],
+        n_test=summary["n_test"], test=scores))
+    out = {"progress": viz.summary_markdown(summary), "capsule": None, "zip": None, "task": (None, ""),
+           "runs": runs_table(session)}
+    if not summary.get("artifact"):   # the linear head keeps nothing to reuse
+        return out
+    path = Path(summary["artifact"])
+    label = (f"trained: {summary['task']} · {method} · {summary['steps']} steps · test {key} "
+             f"{100 * summary['test'][key]:.1f} % · {time.strftime('%H:%M')}")
+    entry = {"label": label, "path": str(path), "backbone": summary["backbone"]}
+    name = f"{method}-{summary['backbone'].replace('/', '_')}-{summary['task']}-{path.parent.name}"
+    if path.name == "capsule":
+        session["capsules"].append(entry)
+        return {**out, "progress": out["progress"] + " The capsule is now selected in Predict and Attention.",
+                "capsule": str(path), "zip": str(export_zip(path, path.parent / f"{name}.zip")),
+                "task": task_choice(str(path), session)}
+    zipped = shutil.make_archive(str(path.parent / name), "zip", root_dir=path.parent, base_dir=path.name)
+    if method == "prompt-tuning":
+        session.setdefault("soft_prompts", []).append(entry)
+        out["progress"] += " The soft prompt is now offered for comparison in the Attention tab."
+    return {**out, "zip": zipped}
+
+
+if GPU is not None:   # ZeroGPU: each prediction / attention / probe call holds a GPU while it runs
+    predict_view, attention_view, probe_view = (GPU(duration=d)(f) for f, d in (
+        (predict_view, 60), (attention_view, 60), (probe_view, 120)))
 
 
 def build_demo():
@@ -265,9 +402,19 @@ def build_demo():
     def warned(fn):     # a handler's last output is its error message: show it as a toast too
         return lambda **kw: (*(out := fn(**kw))[:-1], toast(out[-1]))
 
-    def refresh(backbone, hub_id, capsule, session):
-        choices = capsule_choices(hub_id or backbone, session)
-        return gr.update(choices=choices, value=capsule if capsule in [v for _, v in choices] else NONE)
+    def refresh(backbone, hub_id, capsule, soft, session):
+        choices, softs = capsule_choices(hub_id or backbone, session), soft_prompt_choices(hub_id or backbone, session)
+        return (gr.update(choices=choices, value=capsule if capsule in [v for _, v in choices] else NONE),
+                gr.update(choices=softs, value=soft if soft in [v for _, v in softs] else NONE))
+
+    def slider_ranges(backbone, hub_id):   # after each attention view: the sliders follow the backbone shown
+        key = norm_backbone(hub_id or backbone)
+        if key not in _MODELS:
+            return gr.skip(), gr.skip()
+        cfg = _MODELS[key].model.config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "num_heads", None)
+        return gr.update(maximum=_MODELS[key].n_layers - 1), gr.update(maximum=heads - 1) if heads else gr.skip()
 
     def on_example(task):
         try:
@@ -287,7 +434,9 @@ def build_demo():
             picks = (bb if bb in BACKBONES else gr.skip(), "" if bb in BACKBONES else bb, gr.update(
                 choices=capsule_choices(bb, s["session"]), value=s["capsule"]), s["task"][0] or gr.skip(),
                 s["task"][1] or gr.skip()) if s["capsule"] else (gr.skip(),) * 5
-            yield s["loss"], s["dev"], s["progress"], toast(s["error"]), s["zip"], s["session"], *picks
+            softs = gr.update(choices=soft_prompt_choices(bb, s["session"])) if s["zip"] else gr.skip()
+            yield (s["loss"], s["dev"], s["progress"], toast(s["error"]), s["zip"], s["session"], *picks, s["runs"],
+                   softs)
 
     def on_stop(request: gr.Request) -> str:
         return gr.Info(msg := stop_training(request.session_hash or "api")) or msg
@@ -328,16 +477,31 @@ def build_demo():
                 with gr.Row():
                     layer = gr.Slider(-1, 63, value=-1, step=1, label="layer (-1: mean over layers)")
                     head = gr.Slider(-1, 63, value=-1, step=1, label="head (-1: mean over heads)")
+                    soft = gr.Dropdown(soft_prompt_choices(DEFAULT, None), value=NONE, label="compare with a soft prompt",
+                                       info="a trained PEFT prompt-tuning soft prompt: shipped, or trained here")
                     attn_btn = gr.Button("Show attention", variant="primary")
                 attn_md = gr.Markdown(label="summary")
                 with gr.Row():
-                    maps = [gr.Plot(label="with the capsule"), gr.Plot(label="without (the sink)")]
+                    maps = [gr.Plot(label="with the capsule"), gr.Plot(label="without (the sink)"),
+                            gr.Plot(label="with the soft prompt")]
                 with gr.Row():
-                    maps += [gr.Plot(label="anchor mass: layers × heads"), gr.Plot(label="sink mass: layers × heads")]
+                    maps += [gr.Plot(label="anchor mass: layers × heads"), gr.Plot(label="sink mass: layers × heads"),
+                             gr.Plot(label="soft-prompt mass: layers × heads")]
                 maps.append(gr.Plot(label="per layer"))
+                with gr.Accordion("Training-free probe: prepend k mean-pooled instance tokens", open=False):
+                    gr.Markdown("The paper's experiment: the chosen capsule as trained, with k mean-pooled tokens of the "
+                                "input's own hidden states prepended at every capsule layer, nothing trained; accuracy "
+                                "on a fixed random sample of the task's val split.")
+                    with gr.Row():
+                        probe_ks = gr.CheckboxGroup(list(PROBE_KS), value=list(PROBE_KS), label="k")
+                        probe_n = gr.Slider(8, 200, value=32, step=8, label="val examples")
+                        probe_btn = gr.Button("Run the probe")
+                    probe_fig, probe_md = gr.Plot(label="accuracy per k"), gr.Markdown()
             with gr.Tab("Train") as tab_train:
                 with gr.Row():
                     t = dict(backbone=gr.Dropdown(BACKBONES, value=DEFAULT, label="Backbone", allow_custom_value=True),
+                             method=gr.Dropdown([(v, k) for k, v in TRAIN_METHODS.items()], value="capt",
+                                                label="Method", info="a baseline on the same data: compare below"),
                              source=gr.Radio(["built-in task", OWN_FILE], value="built-in task", label="Data"),
                              task=gr.Dropdown(list(capt.TASKS), value="cb", label="Task"),
                              preset=gr.Radio(list(PRESETS), value="quick: 20 steps", label="Preset"))
@@ -348,7 +512,8 @@ def build_demo():
                              label_column=gr.Textbox(label="label column", value="label"),
                              label_words=gr.Textbox("", label="label words", placeholder="pos=good, neg=bad"))
                 with gr.Accordion("Advanced", open=False), gr.Row():
-                    t.update(lr=gr.Number(0.03, label="learning rate"), seed=gr.Number(0, precision=0, label="seed"),
+                    t.update(lr=gr.Number(0, label="learning rate (0: the method's default)"),
+                             seed=gr.Number(0, precision=0, label="seed"),
                              max_steps=gr.Number(0, precision=0, label="max steps (0: the preset's)"),
                              batch_size=gr.Number(8, precision=0, label="batch size"),
                              fusion=gr.Dropdown(list(FUSIONS), value="add", label="fusion"),
@@ -362,6 +527,7 @@ def build_demo():
                 with gr.Row():
                     curves = [gr.Plot(label="loss"), gr.Plot(label="dev")]
                 download = gr.File(label="the new capsule (.zip)", interactive=False)
+                runs_md = gr.Markdown()
             with gr.Tab("API") as tab_api:
                 gr.Markdown(API_DOC)
         err = gr.Markdown(label="error")
@@ -371,12 +537,17 @@ def build_demo():
                       **boxes, custom_fields=custom)
         predict_btn.click(warned(predict_view), inputs_kwargs=common, outputs=[probs, report, err], api_name="predict")
         gr.on([attn_btn.click, layer.release, head.release], warned(attention_view), api_name="attention",
-              inputs_kwargs={**common, "layer": layer, "head": head}, outputs=[*maps, attn_md, err])
+              inputs_kwargs={**common, "layer": layer, "head": head, "soft_prompt": soft},
+              outputs=[*maps, attn_md, err]).then(slider_ranges, [backbone, hub_id], [layer, head], **private)
+        probe_btn.click(warned(probe_view), api_name="probe", outputs=[probe_fig, probe_md, err],
+                        inputs_kwargs=dict(backbone=backbone, hub_id=hub_id, capsule=capsule, task=task,
+                                           session=session, n_examples=probe_n, ks=probe_ks))
         train_btn.click(on_train, inputs_kwargs={**t, "session": session}, api_name="train", concurrency_limit=1,
                         concurrency_id="train", outputs=[*curves, progress, t_err, download, session, backbone, hub_id,
-                                                         capsule, task, custom])
+                                                         capsule, task, custom, runs_md, soft])
         stop_btn.click(on_stop, outputs=t_err, api_name="stop", concurrency_limit=None)
-        gr.on([backbone.input, hub_id.submit], refresh, [backbone, hub_id, capsule, session], capsule, **private)
+        gr.on([backbone.input, hub_id.submit], refresh, [backbone, hub_id, capsule, soft, session], [capsule, soft],
+              **private)
         capsule.input(lambda c, s: [v or gr.skip() for v in task_choice(c, s)], [capsule, session], [task, custom],
                       **private)
         task.change(lambda v: [gr.update(visible=x) for x in visible_fields(v)], task, [*boxes.values(), custom],

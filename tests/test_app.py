@@ -71,8 +71,8 @@ def test_train_streams_progress_and_yields_a_usable_capsule(trained, tmp_path):
 def test_attention_with_and_without_the_capsule(trained):
     session, states = trained
     *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", layer=1, head=2, session=session, **CB)
-    assert err == "" and all(f is not None for f in figs)
-    with_map, without_map, mass_with, mass_without, by_layer = figs
+    with_map, without_map, soft_map, mass_with, mass_without, soft_mass, by_layer = figs
+    assert err == "" and soft_map is None is soft_mass and None not in (with_map, without_map, mass_with, by_layer)
     assert capt.CAPSULE_TOKEN in with_map.layout.yaxis.ticktext[0]
     assert with_map.data[0].z.shape[0] == without_map.data[0].z.shape[0] + 1   # one extra slot
     assert len(with_map.layout.shapes) == 2                                     # anchor row and column marked
@@ -219,14 +219,15 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch):
     client = Client(url, verbose=False)
     try:
         api = client.view_api(print_info=False, return_format="dict")
-        assert set(api["named_endpoints"]) == {"/predict", "/attention", "/train", "/stop"}
+        assert set(api["named_endpoints"]) == {"/predict", "/attention", "/probe", "/train", "/stop"}
         assert api["unnamed_endpoints"] == {}
         fig, report, err = client.predict(backbone=BB, capsule=app.NONE, task="rte", api_name="/predict",
                                           premise="The cat sat.", hypothesis="A cat sat.")
         assert err == "" and fig["type"] == "plotly" and "zero-shot" in report
         *figs, text, err = client.predict(backbone=BB, task="rte", premise="The cat sat.", hypothesis="A cat sat.",
                                           layer=-1, head=0, api_name="/attention")
-        assert err == "" and len(figs) == 5 and "4 layers × 4 heads" in text
+        assert err == "" and len(figs) == 7 and "4 layers × 4 heads" in text
+        assert figs[2] is None and figs[0]["type"] == "plotly"
         out = client.predict(backbone=BB, task="cb", preset="quick: 20 steps", max_steps=2, api_name="/train")
         loss, dev, progress, err, zip_file, _backbone, _hub, capsule, task = out[:9]
         assert err == "" and "**Done** (max_steps): 2 steps" in progress and zip_file.endswith(".zip")
@@ -246,3 +247,67 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch):
     finally:
         client.close()
         demo.close()
+
+
+def test_probe_view_measures_accuracy_per_number_of_pooled_tokens(trained):
+    session, states = trained
+    fig, text, err = app.probe_view(BB, states[-1]["capsule"], "cb", n_examples=8, ks=[1, 3], session=session)
+    assert err == "" and list(fig.data[0].x) == ["0", "1", "3"] and all(0 <= y <= 1 for y in fig.data[0].y)
+    # the same numbers as the library's probe on the same fixed sample
+    bb, task = app.get_backbone(BB), capt.get_task("cb")
+    capsule, _ = capt.load_capsule(states[-1]["capsule"], bb)
+    import random
+    from capt.analysis import pooled_token_probe
+    sample = random.Random(0).sample(capt.load_examples(task, "val"), 8)
+    assert list(fig.data[0].y) == list(pooled_token_probe(bb, task, sample, capsule, ks=[0, 1, 3]).values())
+    assert "k=0" in text and "8 random cb val examples" in text
+    _, text, err = app.probe_view(BB, app.NONE, "cb", n_examples=8, ks=[1], session=session)
+    assert err == "" and "untrained deep prompt" in text
+    assert "out of range" in app.probe_view(BB, app.NONE, "cb", n_examples=2, ks=[1])[-1]
+    assert "choose one or more" in app.probe_view(BB, app.NONE, "cb", n_examples=8, ks=[])[-1]
+
+
+def test_a_baseline_trains_on_the_same_data_and_joins_the_comparison(trained, tmp_path):
+    """A prompt-tuning run beside the CaPT run: both in the session's table; its soft prompt is offered in the
+    Attention tab and shown there next to the capsule and the sink."""
+    session, states = trained
+    last = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="pt", max_steps=3,
+                              method="prompt-tuning"))[-1]
+    assert last["error"] == "" and last["capsule"] is None and last["zip"].endswith(".zip")
+    assert "| capt |" in last["runs"] and "| prompt-tuning |" in last["runs"]
+    (label, path), = [c for c in app.soft_prompt_choices(BB, session) if c[1] != app.NONE]
+    assert "prompt-tuning" in label and os.path.isfile(os.path.join(path, "adapter_config.json"))
+    with zipfile.ZipFile(last["zip"]) as z:
+        assert any(n.endswith("adapter_model.safetensors") for n in z.namelist())
+    *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", session=session, soft_prompt=path, **CB)
+    soft_map, soft_mass, by_layer = figs[2], figs[5], figs[6]
+    assert err == "" and soft_map is not None and soft_mass.data[0].z.shape == (4, 4)
+    assert soft_map.layout.yaxis.ticktext[0].startswith("0:⟨soft:1⟩") and len(by_layer.data) == 3
+    assert "soft prompt (20 tokens)" in text
+    assert "unknown soft prompt" in app.attention_view(BB, app.NONE, "cb", soft_prompt=str(tmp_path), **CB)[-1]
+    # the linear head keeps no artifact but still joins the table; an unknown method is refused
+    last = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="lh", max_steps=2,
+                              method="linear-head"))[-1]
+    assert last["error"] == "" and last["zip"] is None and "| linear-head |" in last["runs"]
+    assert "unknown method 'lora'" in list(app.train_run(BB, "cb", "quick: 20 steps", session, method="lora"))[-1][
+        "error"]
+
+
+def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
+    """With `spaces` present, training runs as several GPU calls that each resume the run: the chunks together
+    take exactly the steps of one uninterrupted run and end with its capsule."""
+    calls = []
+
+    def fake_gpu_chunk(cfg, budget, resume, emit, stop):   # stands in for spaces.GPU(train_chunk)
+        calls.append((budget, resume))
+        return app.train_chunk(cfg, budget, resume, emit, stop)
+
+    monkeypatch.setattr(app, "gpu_train_chunk", fake_gpu_chunk)
+    monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after about one step
+    session = new_session(tmp_path)
+    last = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="zero", max_steps=6,
+                              batch_size=2))[-1]
+    assert last["error"] == "" and "**Done** (max_steps): 6 steps" in last["progress"]
+    assert len(calls) > 1 and calls[0][1] is False and all(resume for _, resume in calls[1:])
+    steps = [json.loads(line) for line in open(os.path.join(os.path.dirname(last["capsule"]), "metrics.jsonl"))]
+    assert [e["step"] for e in steps if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]   # no step twice, none lost

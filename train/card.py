@@ -99,6 +99,11 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict) -> str:
         if cfg.get("max_minutes"):
             notes.append("A wall-clock budget gives fewer steps to a method that ran while the machine was busy "
                          "with other work; see the steps column.")
+    caps = [f"{part} to {cfg[f'max_{part}']}" for part in ("train", "dev", "test") if cfg.get(f"max_{part}")]
+    if caps:
+        notes.append(f"To fit the CPU budget the splits were capped ({', '.join(caps)} examples: a fixed random "
+                     "subset, drawn by `--max-{train,dev,test}` with a fixed seed; whole questions for MultiRC); "
+                     "numbers on the full split will differ.")
     if ahead:
         notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
