@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-
 from .errors import CaptError
 
 # The repo lives at /work/main and the data at /work/shared/data/superglue; CAPT_DATA_DIR overrides it.
@@ -267,6 +265,7 @@ def _local_rows(task: Task, split: str, data_dir) -> list[dict]:
     if not path.is_file():
         found = sorted(p.stem for p in folder.glob("*.jsonl"))
         raise CaptError(f"no {task.name} {split} file at {path}; splits found there: {', '.join(found) or 'none'}")
+    import datasets  # imported on first use: it costs ~1.7 s, and most callers never read data
     records = datasets.load_dataset("json", data_files=str(path), split="train").to_list()
     if offline_boolq:
         records = [r for r in records if (r["idx"] % 10 < 3) == (split == "val")]
@@ -281,6 +280,7 @@ def _local_rows(task: Task, split: str, data_dir) -> list[dict]:
 
 def _hub_rows(task: Task, split: str, source: str) -> list[dict]:
     try:
+        import datasets  # imported on first use: it costs ~1.7 s, and most callers never read data
         records = datasets.load_dataset(source, task.name, split={"val": "validation"}.get(split, split))
     except Exception as e:  # network, auth and missing-dataset errors come in many types
         raise CaptError(f"could not load {source!r} ({task.name}, {split}) from the Hugging Face hub, which may be "
@@ -321,6 +321,7 @@ def load_file(path, task: Task, columns: dict[str, str] | None = None,
     if len([line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]) <= (kind == "csv"):
         raise CaptError(f"{path} is empty: it has no data rows")
     try:
+        import datasets  # imported on first use: it costs ~1.7 s, and most callers never read data
         records = datasets.load_dataset(kind, data_files=str(path), split="train")
     except Exception as e:  # parse errors come from pandas, pyarrow or json, each with its own types
         raise CaptError(f"could not read {path} as {path.suffix[1:]}: {e}") from e

@@ -4,6 +4,7 @@ import json
 import os
 from pathlib import Path
 
+import datasets
 import pytest
 
 from capt import tasks
@@ -152,7 +153,7 @@ def test_hub_rows_are_normalized(monkeypatch):
            {"paragraph": "P.", "question": "Q?", "answer": "B", "label": -1,
             "idx": {"paragraph": 3, "question": 7, "answer": 41}}]
     calls = []
-    monkeypatch.setattr(tasks.datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or hub)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or hub)
     rows = load_examples("multirc", "val", source="aps/super_glue")
     assert calls == [(("aps/super_glue", "multirc"), {"split": "validation"})]
     assert rows[0] == {"paragraph": "P.", "question": "Q?", "answer": "A", "label": 1, "idx": 40, "group": "3-7"}
@@ -162,7 +163,7 @@ def test_hub_rows_are_normalized(monkeypatch):
 def test_hub_failure_is_a_capt_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
-    monkeypatch.setattr(tasks.datasets, "load_dataset", offline)
+    monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(CaptError, match="unreachable.*Local data"):
         load_examples("rte", "train", source="aps/super_glue")
 
