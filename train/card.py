@@ -42,6 +42,13 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
              and capt_row[metric_keys[0]] <= r[metric_keys[0]]]
     verdict = ("CaPT beats zero-shot and majority class on this split." if not beats else
                f"CaPT does NOT beat {' and '.join(beats)} on this split (see the notes below).")
+    best_free = max((r for r in rows if r["method"] in ("zero-shot", "majority")), key=lambda r: r[metric_keys[0]],
+                    default=None)
+    if not beats and best_free is not None and metric_keys[0] == "test_accuracy":
+        margin = round((capt_row[metric_keys[0]] - best_free[metric_keys[0]]) * summary["n_test"])
+        if margin <= 2:   # a margin this small is within one seed's noise
+            verdict += (f" The margin over {best_free['method']} is {margin} test example{'s' * (margin != 1)}: "
+                        "within the noise of one seed, so read it as a tie.")
     options = {k: v for k, v in cfg["capsule"].items()} or "defaults (add fusion, slot, all layers, verbalizer)"
     return f"""---
 library_name: capt
