@@ -564,4 +564,5 @@ def build_demo():
 
 if __name__ == "__main__":
     threading.Thread(target=get_backbone, args=(DEFAULT,), daemon=True).start()   # warm the default backbone
-    build_demo().launch(theme="soft")
+    # uploads (a capsule zip, a CSV/JSONL) over the limit are refused by Gradio with a message, before any handler
+    build_demo().launch(theme="soft", max_file_size=os.environ.get("CAPT_APP_MAX_UPLOAD", "50mb"))

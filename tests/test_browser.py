@@ -56,7 +56,8 @@ def server(tmp_path_factory):
     env = {**os.environ, "CAPT_APP_BACKBONE": "tiny-llama", "CAPT_APP_DIR": str(tmp / "sessions"),
            "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_TEMP_DIR": str(tmp / "gradio"),
            "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}   # one thread: fastest for a tiny model (conftest.py)
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "CAPT_APP_MAX_UPLOAD": "1mb"}   # small, so that the test below can go over it   # one thread: fastest for a tiny model (conftest.py)
     log = tmp / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -246,3 +247,15 @@ def test_train_then_stop_keeps_the_best_capsule(page, tmp_path):
     shows(page, trained)
     expect(panel(page).get_by_text(re.compile(r"^with capsule: \w+ \(\d+\.\d %\)"))).to_be_visible()
     no_trouble(page)
+
+
+def test_an_upload_over_the_limit_is_refused_with_a_message(page, tmp_path):
+    """A 2 MB 'capsule' against the 1 MB limit the server was started with: a message, and the page works on."""
+    page.get_by_role("tab", name="Predict", exact=True).click()
+    big = tmp_path / "big.zip"
+    big.write_bytes(os.urandom(2 * 1024 * 1024))
+    page.locator("input[type=file]").filter(visible=False).first.set_input_files(str(big))
+    refusal = page.locator(".toast-body.error, .toast-body.warning").filter(has_text=re.compile("size|large", re.I))
+    expect(refusal.first).to_be_visible(timeout=SLOW)
+    page.get_by_role("button", name="Predict", exact=True).click()   # still serving
+    expect(chart(panel(page), "label probabilities with and without the capsule")).to_be_visible(timeout=SLOW)
