@@ -85,10 +85,11 @@ class Capsule(nn.Module):
         h: (B, T, d). Returns a new tensor (never edits h in place, so autograd sees every step).
         """
         w = self.weight[j].to(h.dtype)                                   # (d,)
+        rows = torch.arange(h.shape[0], device=h.device)
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
             for i, where in enumerate(call.pool_onehot):
-                h = torch.where(where[..., None], pooled[:, i:i + 1], h)
+                h = h.index_put((rows, where.long().argmax(1)), pooled[:, i])
         fusion = self.config.fusion
         if fusion == "none":
             capsule = w.expand(h.shape[0], -1)
@@ -102,18 +103,22 @@ class Capsule(nn.Module):
                 low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, r)
                 mean = mean + low @ self.proj_b[j].to(h.dtype).T
             if fusion == "prepend":                                       # slot0 = mean, slot1 = W[l]
-                h = torch.where(call.slot_onehot[0][..., None], mean[:, None, :], h)
-                return torch.where(call.slot_onehot[1][..., None], w, h)
+                h = h.index_put((rows, call.slot_index[0]), mean)
+                return h.index_put((rows, call.slot_index[1]), w.expand_as(mean))
             capsule = w + mean
+        # Out-of-place writes at one position per row: a copy of h and, backward, one masked copy of its
+        # gradient (torch.where over the whole (B, T, d) would cost two more full passes per layer)
+        where = (rows, call.slot_index[0])
         if self.config.placement == "inplace":                            # add onto the first real token
-            return h + call.slot_onehot[0][..., None] * capsule[:, None, :]
-        return torch.where(call.slot_onehot[0][..., None], capsule[:, None, :], h)
+            return h.index_put(where, capsule, accumulate=True)
+        return h.index_put(where, capsule)
 
 
 def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, d), (B, T) in {0,1} -> (B, d): mean over the positions where mask is 1."""
+    """(B, T, d), (B, T) in {0,1} -> (B, d): mean over the positions where mask is 1 (one batched
+    matrix product: no (B, T, d) temporary)."""
     m = mask.to(h.dtype)
-    return (h * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
+    return (m[:, None, :] @ h).squeeze(1) / m.sum(1, keepdim=True).clamp(min=1)
 
 
 def segment_means(h: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
@@ -137,6 +142,9 @@ class CallState:
     seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
     pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
     real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
+
+    def __post_init__(self) -> None:   # per slot, (B,) its position in each row
+        self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]
 
 
 @dataclass
