@@ -4,6 +4,7 @@ Handlers are plain functions calling `capt` (no Gradio inside); `build_demo()` o
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import threading
@@ -16,7 +17,8 @@ import capt
 from capt import CaptError, viz
 from capt.analysis import pooled_token_probe
 from capt.config import FUSIONS, HEADS, LAYER_PRESETS, PLACEMENTS
-from capt.io import capsule_task, export_zip, find_capsules, find_soft_prompts, import_zip, read_config
+from capt.io import (capsule_task, export_zip, find_capsules, find_soft_prompts, import_zip, pull_from_hub,
+                     push_to_hub, read_config)
 from capt.training import TrainConfig, prepare_data, train
 
 try:   # Hugging Face ZeroGPU Spaces: a GPU is lent per call of a function decorated with spaces.GPU
@@ -86,6 +88,41 @@ def known_capsule(value: str, session: dict | None) -> bool:   # only these are 
     return value in {str(c) for c in find_capsules(SHIPPED)} | {c["path"] for c in (session or {}).get("capsules", [])}
 
 
+HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # "user/capsule-name", as the Hub spells repo ids
+
+
+def from_hub(repo_id: str, session: dict | None) -> str:
+    """A capsule typed in as a Hub repo id: downloaded (capsule files only) and added to the session's list."""
+    repo_id = repo_id.strip()
+    if not HUB_REPO.match(repo_id) or ".." in repo_id:
+        raise CaptError(f"unknown capsule {repo_id!r}: choose one from the list, train or upload one, or type a "
+                        "Hub repo id like 'user/capt-cb'")
+    folder = str(pull_from_hub(repo_id))   # a clear CaptError when the Hub is unreachable or the repo missing
+    if session is not None:
+        owner = read_config(folder)["backbone"]["name"]
+        session.setdefault("capsules", []).append({"label": f"hub: {repo_id}", "path": folder, "backbone": owner})
+    return folder
+
+
+def push_capsule(repo_id: str, token: str, session: dict | None, private: bool = True, capsule: str = "") -> str:
+    """Push one of this session's trained capsules (default: the latest) to the Hub, private by default; returns
+    a message."""
+    try:
+        mine = [c["path"] for c in (session or {}).get("capsules", []) if c["label"].startswith("trained")]
+        capsule = capsule or (mine[-1] if mine else "")
+        if not capsule or capsule not in mine:
+            raise CaptError("train a capsule in this session first: only those can be pushed from here")
+        if not HUB_REPO.match((repo_id or "").strip()):
+            raise CaptError(f"the repo id {repo_id!r} is not valid; give one like 'your-name/capt-cb'")
+        if not (token or "").strip():
+            raise CaptError("give a Hugging Face write token (huggingface.co/settings/tokens); it is used for this "
+                            "push only and never stored")
+        url = push_to_hub(capsule, repo_id.strip(), token=token.strip(), private=bool(private))
+        return f"Pushed to {url} ({'private' if private else 'public'})."
+    except Exception as e:
+        return viz.error_message(e)
+
+
 def soft_prompt_choices(backbone: str, session: dict | None) -> list[tuple[str, str]]:
     """(label, value): no comparison, this backbone's shipped soft prompts, this session's trained ones."""
     key = norm_backbone(backbone)
@@ -104,7 +141,7 @@ def resolve(backbone: str, capsule: str, task: str, session: dict | None):
     bb, cap, cap_task, notes = get_backbone(backbone), None, None, []
     if capsule and capsule != NONE:
         if not known_capsule(capsule, session):
-            raise CaptError(f"unknown capsule {capsule!r}: choose one from the list, or train or upload one first")
+            capsule = from_hub(capsule, session)
         cap, cap_task = capt.load_capsule(capsule, bb)
     if task == CUSTOM and (cap_task is None or cap_task in capt.TASKS.values()):
         raise CaptError("the 'custom' task needs a capsule trained on your own data; select one")
@@ -456,7 +493,7 @@ def build_demo():
                 hub_id = gr.Textbox("", label="…or a hub id (Enter)", placeholder="Qwen/Qwen2.5-1.5B",
                                     info="needs the Hugging Face hub, often unreachable here; embedded: always")
                 capsule = gr.Dropdown(capsule_choices(DEFAULT, None), value=NONE, label="Capsule",
-                                      allow_custom_value=True, info="shipped, or trained / uploaded in this session")
+                                      allow_custom_value=True, info="shipped, trained / uploaded in this session, or type a Hub repo id")
                 task = gr.Dropdown([*capt.TASKS, ("custom: the capsule's task", CUSTOM)], value="rte", label="Task")
             with gr.Row():
                 boxes = {f: gr.Textbox("", label=f, lines=4 if f in ("passage", "paragraph") else 1,
@@ -527,6 +564,12 @@ def build_demo():
                 with gr.Row():
                     curves = [gr.Plot(label="loss"), gr.Plot(label="dev")]
                 download = gr.File(label="the new capsule (.zip)", interactive=False)
+                with gr.Accordion("Push the latest trained capsule to the Hugging Face Hub", open=False), gr.Row():
+                    hub_repo = gr.Textbox(label="repo id", placeholder="your-name/capt-cb")
+                    hub_token = gr.Textbox(label="write token (used once, not stored)", type="password")
+                    hub_private = gr.Checkbox(True, label="private")
+                    push_btn = gr.Button("Push")
+                push_md = gr.Markdown()
                 runs_md = gr.Markdown()
             with gr.Tab("API") as tab_api:
                 gr.Markdown(API_DOC)
@@ -545,6 +588,7 @@ def build_demo():
         train_btn.click(on_train, inputs_kwargs={**t, "session": session}, api_name="train", concurrency_limit=1,
                         concurrency_id="train", outputs=[*curves, progress, t_err, download, session, backbone, hub_id,
                                                          capsule, task, custom, runs_md, soft])
+        push_btn.click(push_capsule, [hub_repo, hub_token, session, hub_private], push_md, **private)
         stop_btn.click(on_stop, outputs=t_err, api_name="stop", concurrency_limit=None)
         gr.on([backbone.input, hub_id.submit], refresh, [backbone, hub_id, capsule, soft, session], [capsule, soft],
               **private)

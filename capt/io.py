@@ -177,9 +177,12 @@ def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, priv
 
     read_config(folder)  # never push something that is not a capsule
     api = HfApi(token=token)
-    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                      commit_message="Upload CaPT capsule")
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          commit_message="Upload CaPT capsule")
+    except Exception as e:  # offline, bad token, no write access: one clear message
+        raise CaptError(f"could not push the capsule to '{repo_id}' on the hub ({type(e).__name__}: {e})") from None
     return str(url)
 
 

@@ -311,3 +311,32 @@ def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
     assert len(calls) > 1 and calls[0][1] is False and all(resume for _, resume in calls[1:])
     steps = [json.loads(line) for line in open(os.path.join(os.path.dirname(last["capsule"]), "metrics.jsonl"))]
     assert [e["step"] for e in steps if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]   # no step twice, none lost
+
+
+def test_a_capsule_from_the_hub_and_a_push_to_it(trained, tmp_path, monkeypatch):
+    """A Hub repo id typed into the Capsule box is pulled (capsule files only) and joins the session; the latest
+    trained capsule is pushed with the token given, private by default. The Hub is faked: none is reachable."""
+    session, states = trained
+    import shutil
+    remote = tmp_path / "remote"
+    shutil.copytree(states[-1]["capsule"], remote)
+    pulled, pushed = [], []
+    monkeypatch.setattr(app, "pull_from_hub", lambda repo_id: pulled.append(repo_id) or remote)
+    other = new_session(tmp_path, "hub")
+    fig, report, err = app.predict_view(BB, "someone/capt-cb", "cb", session=other, **CB)
+    assert err == "" and pulled == ["someone/capt-cb"] and "Trained on `cb`" in report
+    assert ("hub: someone/capt-cb", str(remote)) in app.capsule_choices(BB, other)
+    assert "Hub repo id like" in app.predict_view(BB, "../etc", "cb", session=other, **CB)[-1]
+
+    def offline(repo_id):
+        raise capt.CaptError(f"could not download capsule '{repo_id}' from the hub (offline)")
+    monkeypatch.setattr(app, "pull_from_hub", offline)
+    assert "could not download capsule 'a/b'" in app.predict_view(BB, "a/b", "cb", session=other, **CB)[-1]
+
+    monkeypatch.setattr(app, "push_to_hub", lambda folder, repo, token, private: pushed.append(
+        (folder, repo, token, private)) or f"https://huggingface.co/{repo}")
+    assert app.push_capsule("me/capt-cb", " hf_x ", session) == "Pushed to https://huggingface.co/me/capt-cb (private)."
+    assert pushed == [(states[-1]["capsule"], "me/capt-cb", "hf_x", True)]
+    assert "write token" in app.push_capsule("me/capt-cb", "", session)
+    assert "not valid" in app.push_capsule("not a repo", "hf_x", session)
+    assert "train a capsule in this session first" in app.push_capsule("me/capt-cb", "hf_x", other)
