@@ -292,7 +292,7 @@ def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file:
                  columns: str = "", label_column: str = "label", label_words: str = "", lr: float | None = None,
                  max_steps: int | None = None, batch_size: int = 8, seed: int = 0, fusion: str = "add",
                  placement: str = "slot", layers: str = "all", head: str = "verbalizer",
-                 method: str = "capt") -> TrainConfig:
+                 method: str = "capt", hub_dataset: str = "") -> TrainConfig:
     """A validated TrainConfig: a built-in task, or the user's file (`task` names it) when data_file is set.
     lr 0 / None: the method's default; the capsule options only matter to capt and deep-prompt-1."""
     if preset not in PRESETS:
@@ -308,7 +308,10 @@ def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file:
     if not data_file and str(task).lower() not in capt.TASKS:
         raise CaptError(f"no data for task {task!r}: upload a file, or choose one of {', '.join(capt.TASKS)}")
     if not data_file:
-        return TrainConfig(task=capt.get_task(task).name, **cfg)
+        hub = (hub_dataset or "").strip() or None   # the task's SuperGLUE-shaped data from the Hub instead
+        if hub and not HUB_REPO.match(hub):
+            raise CaptError(f"the Hub dataset id {hub!r} is not valid; give one like 'aps/super_glue'")
+        return TrainConfig(task=capt.get_task(task).name, source=hub, **cfg)
     pairs = [p.split("=", 1) if "=" in p else (p, p) for p in (columns or "").split(",") if p.strip()]
     if not pairs:
         raise CaptError("name the input column(s) of your file, e.g. 'text', 'premise, hypothesis' or 'review=text'")
@@ -541,6 +544,9 @@ def build_demo():
                                                 label="Method", info="a baseline on the same data: compare below"),
                              source=gr.Radio(["built-in task", OWN_FILE], value="built-in task", label="Data"),
                              task=gr.Dropdown(list(capt.TASKS), value="cb", label="Task"),
+                             hub_dataset=gr.Textbox("", label="…its data from a Hub dataset id (optional)",
+                                                    placeholder="aps/super_glue",
+                                                    info="needs the Hub; empty: the local SuperGLUE files"),
                              preset=gr.Radio(list(PRESETS), value="quick: 20 steps", label="Preset"))
                 with gr.Row(visible=False) as file_row:
                     t.update(data_file=gr.File(label="CSV / JSONL / JSON", file_types=[".csv", ".jsonl", ".json"]),
@@ -598,8 +604,8 @@ def build_demo():
                     **private)
         example_btn.click(on_example, task, [*boxes.values(), note, picked], **private)
         zip_up.upload(on_upload, [zip_up, backbone, hub_id, session], [session, capsule, err], **private)
-        t["source"].change(lambda s: (gr.update(visible=s == OWN_FILE), gr.update(visible=s != OWN_FILE)),
-                           t["source"], [file_row, t["task"]], **private)
+        t["source"].change(lambda s: (gr.update(visible=s == OWN_FILE), *[gr.update(visible=s != OWN_FILE)] * 2),
+                           t["source"], [file_row, t["task"], t["hub_dataset"]], **private)
         for tab, show in ((tab_predict, True), (tab_attn, True), (tab_train, False), (tab_api, False)):
             tab.select(lambda show=show: gr.update(visible=show), None, inputs_col, **private)
         demo.unload(on_close)

@@ -340,3 +340,19 @@ def test_a_capsule_from_the_hub_and_a_push_to_it(trained, tmp_path, monkeypatch)
     assert "write token" in app.push_capsule("me/capt-cb", "", session)
     assert "not valid" in app.push_capsule("not a repo", "hf_x", session)
     assert "train a capsule in this session first" in app.push_capsule("me/capt-cb", "hf_x", other)
+
+
+def test_training_data_from_a_hub_dataset_id(tmp_path, monkeypatch):
+    """The Train tab's Hub dataset id reaches load_examples as the source; offline, the run ends with a message
+    naming the way out (the local files), before any backbone is loaded."""
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    session = new_session(tmp_path)
+    last = list(app.train_run(BB, "cb", "quick: 20 steps", session, hub_dataset="aps/super_glue", max_steps=2))[-1]
+    assert "aps/super_glue" in last["error"] and "Local data" in last["error"] and last["capsule"] is None
+    assert "not valid" in list(app.train_run(BB, "cb", "quick: 20 steps", session, hub_dataset="no such"))[-1]["error"]
+    assert app.train_config(BB, "cb", "quick: 20 steps", str(tmp_path), hub_dataset=" aps/super_glue ").source == \
+        "aps/super_glue"
