@@ -609,7 +609,9 @@ def build_demo():
         for tab, show in ((tab_predict, True), (tab_attn, True), (tab_train, False), (tab_api, False)):
             tab.select(lambda show=show: gr.update(visible=show), None, inputs_col, **private)
         demo.unload(on_close)
-    return demo.queue(default_concurrency_limit=int(os.environ.get("CAPT_APP_CONCURRENCY", 4)))
+    # at most CAPT_APP_QUEUE jobs wait ("queue full" beyond), each seeing its position; one training at a time
+    return demo.queue(default_concurrency_limit=int(os.environ.get("CAPT_APP_CONCURRENCY", 4)),
+                      max_size=int(os.environ.get("CAPT_APP_QUEUE", 32)))
 
 
 if __name__ == "__main__":
