@@ -27,7 +27,8 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None) -> str:
+def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None,
+              extra: list | None = None) -> str:
     rows = compare["rows"]
     steps = steps or {}
     metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
@@ -74,7 +75,7 @@ capt.predict(bb, task, example, capsule=capsule)
 {command}
 ```
 
-- Data: {summary['data']}; {summary['n_train']} train, {summary['n_dev']} dev (model selection), {summary['n_test']}
+- Data: {summary['data'].rstrip('.')}; {summary['n_train']} train, {summary['n_dev']} dev (model selection), {summary['n_test']}
   test examples.
 - Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
   batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else DEFAULT_LR[summary['method']]}, seed
@@ -86,14 +87,14 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
-{_notes(rows, metric_keys[0], cfg, summary)}
+{_notes(rows, metric_keys[0], cfg, summary, extra or [])}
 
 Metrics are percentages on the test split named above. Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
 """
 
 
-def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict) -> str:
+def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list) -> str:
     """What a reader should know before trusting the table, derived from the run itself."""
     capt_score = next(r[metric] for r in rows if r["method"] == "capt")
     ahead = [f"{r['method']} ({_pct(r[metric])})" for r in rows
@@ -115,6 +116,7 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict) -> str:
         notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
                  f"{100 / summary['n_test']:.1f} points. One seed ({cfg['seed']}).")
+    notes += extra   # what the person shipping it adds (--note): what was tried, what was not
     return "\n".join(f"- {n}" for n in notes)
 
 
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                "with --table a folder of shipped capsules (capsules/<backbone>)")
     p.add_argument("--to", help="the shipped capsule folder to write")
     p.add_argument("--table", action="store_true", help="print the cross-task results table instead")
+    p.add_argument("--note", action="append", default=[], help="a note for the card (repeatable), e.g. what "
+                                                                "else was tried")
     args = p.parse_args(argv)
     if args.table:
         print(results_table(Path(args.run)))
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(f, tmp / f.name)
         steps = {r["method"]: json.loads((run / r["method"] / "summary.json").read_text()).get("steps")
                  for r in compare["rows"] if (run / r["method"] / "summary.json").exists()}
-        (tmp / "README.md").write_text(card_text(compare, summary, command, steps))
+        (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note))
         (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
     print(f"wrote {target}")
     return 0
