@@ -141,3 +141,23 @@ def test_gemma3_270m_embedded_backbone():
     assert abs(sum(on.probs.values()) - 1) < 1e-5 and on.probs != off.probs
     assert bb.tokenizer.bos_token_id is not None
     assert capt.attention(bb, "The cat sat.").anchor_label == "BOS"  # Gemma's tokenizer adds <bos>
+
+
+@pytest.mark.parametrize("task_name", ["cb", "copa"])
+def test_shipped_capsule_reproduces_its_test_score(smol, task_name):
+    """The card's CaPT test metrics, recomputed from the shipped files alone on the same test split (the two
+    smallest tasks, so CI stays short): the numbers in capsules/ are reproducible, not just recorded."""
+    from pathlib import Path
+
+    from capt.methods import CaptMethod
+    from capt.training import TrainConfig, evaluate, prepare_data
+
+    folder = Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m" / task_name
+    capsule, task = capt.load_capsule(folder, smol)
+    saved = json.loads((folder / "capsule.json").read_text())
+    method = CaptMethod(smol, task)
+    method.capsule = capsule
+    test = prepare_data(TrainConfig(task=task_name, **{k: saved["training"]["config"][k] for k in (
+        "max_train", "max_dev", "max_test")})).test
+    got = evaluate(method, test)
+    assert got == pytest.approx(saved["metrics"], abs=1e-12), (got, saved["metrics"])
