@@ -39,14 +39,16 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
                      + " | ".join(_pct(r[k]) for k in metric_keys) + " |")
     cfg = summary["config"]
     capt_row = next(r for r in rows if r["method"] == "capt")
+    primary = "test_f1a" if "test_f1a" in metric_keys else metric_keys[0]   # MultiRC: F1 over answers (official)
     beats = [r["method"] for r in rows if r["method"] in ("zero-shot", "majority")
-             and capt_row[metric_keys[0]] <= r[metric_keys[0]]]
-    verdict = ("CaPT beats zero-shot and majority class on this split." if not beats else
-               f"CaPT does NOT beat {' and '.join(beats)} on this split (see the notes below).")
-    best_free = max((r for r in rows if r["method"] in ("zero-shot", "majority")), key=lambda r: r[metric_keys[0]],
+             and capt_row[primary] <= r[primary]]
+    on = f" on {primary[5:]}" if primary != metric_keys[0] else ""
+    verdict = (f"CaPT beats zero-shot and majority class{on} on this split." if not beats else
+               f"CaPT does NOT beat {' and '.join(beats)}{on} on this split (see the notes below).")
+    best_free = max((r for r in rows if r["method"] in ("zero-shot", "majority")), key=lambda r: r[primary],
                     default=None)
-    if not beats and best_free is not None and metric_keys[0] == "test_accuracy":
-        margin = round((capt_row[metric_keys[0]] - best_free[metric_keys[0]]) * summary["n_test"])
+    if not beats and best_free is not None and primary == "test_accuracy":
+        margin = round((capt_row[primary] - best_free[primary]) * summary["n_test"])
         if margin <= 2:   # a margin this small is within one seed's noise
             verdict += (f" The margin over {best_free['method']} is {margin} test example{'s' * (margin != 1)}: "
                         "within the noise of one seed, so read it as a tie.")
@@ -87,7 +89,7 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
-{_notes(rows, metric_keys[0], cfg, summary, extra or [])}
+{_notes(rows, primary, cfg, summary, extra or [])}
 
 Metrics are percentages on the test split named above. Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
