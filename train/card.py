@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -134,14 +135,17 @@ def results_table(folder: Path) -> str:
     if not runs:
         return f"(no shipped capsules with results.json under {folder})"
     methods = ["capt", "zero-shot", "majority", "linear-head", "p-tuning-v2"]
-    lines = ["| task | metric | " + " | ".join(methods) + " | CaPT training |", "|" + "---|" * (len(methods) + 3)]
+    lines = ["| task | metric | " + " | ".join(methods) + " | budget per method | CaPT training |",
+             "|" + "---|" * (len(methods) + 4)]
     for run in runs:
         compare = json.loads((run / "results.json").read_text())
         rows = {r["method"]: r for r in compare["rows"]}
         metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
         cells = [f"{100 * rows[m]['test_' + metric]:.1f}" if m in rows else "-" for m in methods]
         minutes = rows["capt"]["train_seconds"] / 60
-        lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {minutes:.0f} min |")
+        budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
+        budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
+        lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {budget} | {minutes:.0f} min |")
     return "\n".join(lines)
 
 
