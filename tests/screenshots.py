@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-from test_browser import CHROMIUM, FLAGS, ROOT, chart, field, panel, shows  # noqa: E402
+from test_browser import CHROMIUM, FLAGS, ROOT, block, chart, field, panel, shows  # noqa: E402
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from capt.io import find_soft_prompts  # noqa: E402
@@ -75,14 +75,14 @@ def main(out: Path) -> None:
             page.get_by_text("Training-free probe", exact=False).click()
             page.get_by_role("button", name="Run the probe").click()
             shows(page, chart(panel(page), "accuracy per k"), SLOW)
-            page.get_by_text("Training-free probe", exact=False).scroll_into_view_if_needed()
+            block(panel(page), "accuracy per k").evaluate("e => e.scrollIntoView({block: 'center'})")
             page.screenshot(path=str(out / "probe.png"))
 
             page.get_by_role("tab", name="Train", exact=True).click()
             view = panel(page)
             view.get_by_role("radio", name="quick: 20 steps").check()
             view.get_by_role("button", name="Train", exact=True).click()
-            shows(page, view.get_by_text(re.compile(r"^step [3-9]\d*/\d+ · loss")), SLOW)
+            shows(page, view.get_by_text(re.compile(r"^step \d+/\d+ · loss .* best dev")), SLOW)   # after a dev eval
             page.screenshot(path=str(out / "train.png"), full_page=True)
             view.get_by_role("button", name="Stop", exact=True).click()
             shows(page, view.get_by_text(re.compile(r"^Done \(stop requested\)")), SLOW)
