@@ -161,3 +161,41 @@ def test_shipped_capsule_reproduces_its_test_score(smol, task_name):
         "max_train", "max_dev", "max_test")})).test
     got = evaluate(method, test)
     assert got == pytest.approx(saved["metrics"], abs=1e-12), (got, saved["metrics"])
+
+
+def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch):
+    """The launched app on the real default backbone, through gradio_client: the shipped CB capsule predicts
+    and shows its attention (with the shipped soft prompt), and a 2-step training run returns a capsule."""
+    import socket
+    from pathlib import Path
+
+    from gradio_client import Client
+
+    import app
+
+    monkeypatch.setitem(app._MODELS, "smollm2-135m", smol)   # the module's backbone: loaded once
+    monkeypatch.setattr(app, "WORK_DIR", tmp_path / "sessions")
+    shipped = Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m"
+    demo = app.build_demo()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    client = Client(url, verbose=False)
+    try:
+        cb = dict(premise="It rained all day, so the match was called off.", hypothesis="The match was played.")
+        fig, report, err = client.predict(backbone="smollm2-135m", capsule=str(shipped / "cb"), task="cb",
+                                          api_name="/predict", **cb)
+        assert err == "" and len(fig["plot"]) > 0 and "| capsule (W + fusion extras) | 17,280 |" in report
+        *figs, text, err = client.predict(backbone="smollm2-135m", capsule=str(shipped / "cb"), task="cb",
+                                          soft_prompt=str(shipped / "soft-prompts" / "cb"), api_name="/attention",
+                                          **cb)
+        assert err == "" and all(f is not None for f in figs) and "30 layers × 9 heads" in text
+        assert "all 20 tokens of the soft prompt (20 tokens) together" in text
+        out = client.predict(backbone="smollm2-135m", task="cb", preset="quick: 20 steps", max_steps=2,
+                             batch_size=2, api_name="/train")
+        progress, err, capsule = out[2], out[3], out[7]
+        assert err == "" and "**Done** (max_steps): 2 steps" in progress and capsule["value"].endswith("capsule")
+    finally:
+        client.close()
+        demo.close()
