@@ -509,6 +509,7 @@ def build_demo():
                 zip_up = gr.UploadButton("Upload a capsule (.zip)", file_types=[".zip"], size="sm")
             note = gr.Markdown()
             picked = gr.State(None)   # the val example in the boxes, with its extras (WiC's word span)
+            on_attention_tab = gr.State(False)   # the Attention view then follows edits of the input
         with gr.Tabs():
             with gr.Tab("Predict") as tab_predict:
                 predict_btn = gr.Button("Predict", variant="primary")
@@ -602,12 +603,20 @@ def build_demo():
                       **private)
         task.change(lambda v: [gr.update(visible=x) for x in visible_fields(v)], task, [*boxes.values(), custom],
                     **private)
-        example_btn.click(on_example, task, [*boxes.values(), note, picked], **private)
+        example_event = example_btn.click(on_example, task, [*boxes.values(), note, picked], **private)
         zip_up.upload(on_upload, [zip_up, backbone, hub_id, session], [session, capsule, err], **private)
         t["source"].change(lambda s: (gr.update(visible=s == OWN_FILE), *[gr.update(visible=s != OWN_FILE)] * 2),
                            t["source"], [file_row, t["task"], t["hub_dataset"]], **private)
         for tab, show in ((tab_predict, True), (tab_attn, True), (tab_train, False), (tab_api, False)):
-            tab.select(lambda show=show: gr.update(visible=show), None, inputs_col, **private)
+            tab.select(lambda show=show, tab=tab: (gr.update(visible=show), tab is tab_attn), None,
+                       [inputs_col, on_attention_tab], **private)
+
+        def live_attention(active, **kw):   # the Attention view follows the input while it is on screen
+            return warned(attention_view)(**kw) if active else [gr.skip()] * (len(maps) + 2)
+        live = dict(inputs_kwargs={**common, "layer": layer, "head": head, "soft_prompt": soft,
+                                   "active": on_attention_tab}, outputs=[*maps, attn_md, err], **private)
+        gr.on([b.blur for b in (*boxes.values(), custom)], live_attention, trigger_mode="always_last", **live)
+        example_event.then(live_attention, **live)
         demo.unload(on_close)
     # at most CAPT_APP_QUEUE jobs wait ("queue full" beyond), each seeing its position; one training at a time
     return demo.queue(default_concurrency_limit=int(os.environ.get("CAPT_APP_CONCURRENCY", 4)),

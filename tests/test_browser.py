@@ -196,6 +196,16 @@ def test_attention_shows_the_heatmaps(page):
     no_trouble(page)
     screenshot(page, "attention.png")
 
+    # it follows the input: an edited premise (on leaving the box) redraws the view for the new text
+    summary = view.get_by_text(re.compile(r"^\d+ positions with the untrained capsule"))
+    before = int(summary.inner_text().split()[0])
+    page.get_by_label("premise", exact=True).fill("A man is playing a guitar on stage in front of a very large "
+                                                  "crowd of cheering people on a warm summer night.")
+    page.get_by_label("premise", exact=True).press("Tab")
+    expect(summary).not_to_have_text(re.compile(rf"^{before} positions"), timeout=SLOW)
+    assert int(summary.inner_text().split()[0]) > before
+    no_trouble(page)
+
 
 def test_train_then_stop_keeps_the_best_capsule(page, tmp_path):
     page.get_by_role("tab", name="Train", exact=True).click()
