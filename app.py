@@ -44,7 +44,7 @@ TRAIN_METHODS = {"capt": "CaPT (a capsule)", "deep-prompt-1": "deep prompt, 1 to
                  "linear-head": "linear head on the frozen backbone"}
 PROBE_KS = (1, 2, 3, 4, 10)   # the paper's training-free probe: pooled instance tokens prepended
 GPU_CHUNK_S = int(os.environ.get("CAPT_GPU_CHUNK_S", 240))   # ZeroGPU: seconds of training per GPU call
-API_DOC = """Every action is an endpoint (`/predict`, `/attention`, `/train`, `/stop`; see "Use via API" below).
+API_DOC = """Every action is an endpoint (`/predict`, `/attention`, `/probe`, `/train`, `/stop`; see "Use via API").
 One `gradio_client.Client` is one session: the capsule `/train` returns (its 8th output) stays usable for it:
 ```python
 c = gradio_client.Client("http://127.0.0.1:7860/")
@@ -496,7 +496,8 @@ def build_demo():
                 hub_id = gr.Textbox("", label="…or a hub id (Enter)", placeholder="Qwen/Qwen2.5-1.5B",
                                     info="needs the Hugging Face hub, often unreachable here; embedded: always")
                 capsule = gr.Dropdown(capsule_choices(DEFAULT, None), value=NONE, label="Capsule",
-                                      allow_custom_value=True, info="shipped, trained / uploaded in this session, or type a Hub repo id")
+                                      allow_custom_value=True,
+                                      info="shipped, trained / uploaded in this session, or type a Hub repo id")
                 task = gr.Dropdown([*capt.TASKS, ("custom: the capsule's task", CUSTOM)], value="rte", label="Task")
             with gr.Row():
                 boxes = {f: gr.Textbox("", label=f, lines=4 if f in ("passage", "paragraph") else 1,
@@ -518,7 +519,8 @@ def build_demo():
                 with gr.Row():
                     layer = gr.Slider(-1, 63, value=-1, step=1, label="layer (-1: mean over layers)")
                     head = gr.Slider(-1, 63, value=-1, step=1, label="head (-1: mean over heads)")
-                    soft = gr.Dropdown(soft_prompt_choices(DEFAULT, None), value=NONE, label="compare with a soft prompt",
+                    soft = gr.Dropdown(soft_prompt_choices(DEFAULT, None), value=NONE,
+                                       label="compare with a soft prompt",
                                        info="a trained PEFT prompt-tuning soft prompt: shipped, or trained here")
                     attn_btn = gr.Button("Show attention", variant="primary")
                 attn_md = gr.Markdown(label="summary")
@@ -530,9 +532,9 @@ def build_demo():
                              gr.Plot(label="soft-prompt mass: layers × heads")]
                 maps.append(gr.Plot(label="per layer"))
                 with gr.Accordion("Training-free probe: prepend k mean-pooled instance tokens", open=False):
-                    gr.Markdown("The paper's experiment: the chosen capsule as trained, with k mean-pooled tokens of the "
-                                "input's own hidden states prepended at every capsule layer, nothing trained; accuracy "
-                                "on a fixed random sample of the task's val split.")
+                    gr.Markdown("The paper's experiment: the chosen capsule as trained, with k mean-pooled tokens of "
+                                "the input's own hidden states prepended at every capsule layer, nothing trained; "
+                                "accuracy on a fixed random sample of the task's val split.")
                     with gr.Row():
                         probe_ks = gr.CheckboxGroup(list(PROBE_KS), value=list(PROBE_KS), label="k")
                         probe_n = gr.Slider(8, 200, value=32, step=8, label="val examples")
