@@ -356,3 +356,50 @@ def test_training_data_from_a_hub_dataset_id(tmp_path, monkeypatch):
     assert "not valid" in list(app.train_run(BB, "cb", "quick: 20 steps", session, hub_dataset="no such"))[-1]["error"]
     assert app.train_config(BB, "cb", "quick: 20 steps", str(tmp_path), hub_dataset=" aps/super_glue ").source == \
         "aps/super_glue"
+
+
+def test_training_jobs_queue_one_at_a_time_with_a_position(tmp_path, monkeypatch):
+    """Two users start training at once: one trains, the other waits in the queue and is told its position;
+    a prediction meanwhile is not held up behind them. Stopping the first lets the second run."""
+    import time
+
+    from gradio_client import Client
+
+    monkeypatch.setattr(app, "WORK_DIR", tmp_path / "sessions")
+    real, calls = app.run_training, []
+
+    def first_one_runs_until_stopped(cfg, bb, emit, stop):   # a tiny model trains too fast to queue behind
+        calls.append(cfg.task)
+        while len(calls) == 1 and not stop.wait(0.1):
+            emit({"kind": "info", "text": "training…"})
+        return real(cfg, bb, emit, stop)
+    monkeypatch.setattr(app, "run_training", first_one_runs_until_stopped)
+    demo = app.build_demo()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    first, second = Client(url, verbose=False), Client(url, verbose=False)
+    try:
+        a = first.submit(backbone=BB, task="rte", preset="quick: 20 steps", max_steps=2000, batch_size=2,
+                         api_name="/train")
+        deadline = time.time() + 60
+        while calls != ["rte"]:   # the first one is training
+            assert time.time() < deadline, a.status()
+            time.sleep(0.2)
+        b = second.submit(backbone=BB, task="cb", preset="quick: 20 steps", max_steps=2, api_name="/train")
+        while b.status().code.name not in ("IN_QUEUE", "PROCESSING", "FINISHED"):
+            assert time.time() < deadline, b.status()
+            time.sleep(0.1)
+        status = b.status()
+        assert status.code.name == "IN_QUEUE" and status.rank == 0, status   # next in line, and told so
+        fig, report, err = second.predict(backbone=BB, task="rte", premise="a", hypothesis="b", api_name="/predict")
+        assert err == "" and b.status().code.name == "IN_QUEUE"   # predictions do not wait for training
+        assert "Stopping" in first.predict(api_name="/stop")
+        out = b.result(timeout=120)
+        assert out[3] == "" and "**Done** (max_steps): 2 steps" in out[2]
+        assert "(stop requested)" in a.result(timeout=120)[2] and calls == ["rte", "cb"]
+    finally:
+        first.close()
+        second.close()
+        demo.close()
