@@ -3,6 +3,7 @@
 Adding an architecture to ARCHS gives it the whole capsule suite (the PEFT `testing_common` idea).
 """
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network (set before any HF import)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -77,3 +78,24 @@ RTE_EXAMPLES = [
     {"premise": "It rained.", "hypothesis": "The ground in the garden was completely dry.", "label": 1},
     {"premise": "Paris is the capital of France, a country in Europe.", "hypothesis": "Paris is in Europe."},
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def serve():
+    """serve(demo) -> URL: a Gradio app launched on a free local port in this process, closed after the test."""
+    demos = []
+
+    def launch(demo) -> str:
+        demos.append(demo)
+        _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(),
+                                quiet=True)
+        return url
+    yield launch
+    for demo in demos:
+        demo.close()

@@ -9,7 +9,6 @@ beside the capsule and the sink, the training-free probe, and the Train tab a fe
 """
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+from conftest import free_port  # noqa: E402
 from test_browser import CHROMIUM, FLAGS, ROOT, block, chart, field, panel, shows  # noqa: E402
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
@@ -34,9 +34,7 @@ def pick(page, label: str, option: str) -> None:
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
            "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     log = open(Path(tempfile.gettempdir()) / "capt-screenshots-server.log", "w")   # not into the repo

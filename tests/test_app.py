@@ -6,7 +6,6 @@ under a minute; SmolLM2 is never loaded here.
 import csv
 import json
 import os
-import socket
 import zipfile
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no telemetry or version checks
@@ -207,15 +206,11 @@ def test_a_wic_val_example_keeps_its_word_span():
         capt.predict(bb, "rte", CB).probs.values())   # another task ignores the picked example
 
 
-def test_gradio_client_round_trip(tmp_path, monkeypatch):
+def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
     from gradio_client import Client
 
     monkeypatch.setattr(app, "WORK_DIR", tmp_path / "sessions")   # the server's per-session folders
-    demo = app.build_demo()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    url = serve(app.build_demo())
     client = Client(url, verbose=False)
     try:
         api = client.view_api(print_info=False, return_format="dict")
@@ -246,7 +241,6 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch):
                                               api_name="/predict")[-1]
     finally:
         client.close()
-        demo.close()
 
 
 def test_probe_view_measures_accuracy_per_number_of_pooled_tokens(trained):
@@ -358,7 +352,7 @@ def test_training_data_from_a_hub_dataset_id(tmp_path, monkeypatch):
         "aps/super_glue"
 
 
-def test_training_jobs_queue_one_at_a_time_with_a_position(tmp_path, monkeypatch):
+def test_training_jobs_queue_one_at_a_time_with_a_position(tmp_path, monkeypatch, serve):
     """Two users start training at once: one trains, the other waits in the queue and is told its position;
     a prediction meanwhile is not held up behind them. Stopping the first lets the second run."""
     import time
@@ -374,11 +368,7 @@ def test_training_jobs_queue_one_at_a_time_with_a_position(tmp_path, monkeypatch
             emit({"kind": "info", "text": "training…"})
         return real(cfg, bb, emit, stop)
     monkeypatch.setattr(app, "run_training", first_one_runs_until_stopped)
-    demo = app.build_demo()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    url = serve(app.build_demo())
     first, second = Client(url, verbose=False), Client(url, verbose=False)
     try:
         a = first.submit(backbone=BB, task="rte", preset="quick: 20 steps", max_steps=2000, batch_size=2,
@@ -402,4 +392,3 @@ def test_training_jobs_queue_one_at_a_time_with_a_position(tmp_path, monkeypatch
     finally:
         first.close()
         second.close()
-        demo.close()

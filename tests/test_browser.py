@@ -18,7 +18,6 @@ CAPT_SCREENSHOTS=<folder> saves predict.png, attention.png and train.png there (
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 CHROMIUM = os.environ.get("CAPT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 if not os.path.isfile(CHROMIUM):
@@ -50,9 +50,7 @@ def log_tail(path: Path, n: int = 4000) -> str:
 def server(tmp_path_factory):
     """`python app.py` on a free port, tiny-llama by default, its files in a temporary folder; yields the URL."""
     tmp = tmp_path_factory.mktemp("browser")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "CAPT_APP_BACKBONE": "tiny-llama", "CAPT_APP_DIR": str(tmp / "sessions"),
            "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_TEMP_DIR": str(tmp / "gradio"),
            "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

@@ -163,10 +163,9 @@ def test_shipped_capsule_reproduces_its_test_score(smol, task_name):
     assert got == pytest.approx(saved["metrics"], abs=1e-12), (got, saved["metrics"])
 
 
-def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch):
+def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch, serve):
     """The launched app on the real default backbone, through gradio_client: the shipped CB capsule predicts
     and shows its attention (with the shipped soft prompt), and a 2-step training run returns a capsule."""
-    import socket
     from pathlib import Path
 
     from gradio_client import Client
@@ -176,11 +175,7 @@ def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch):
     monkeypatch.setitem(app._MODELS, "smollm2-135m", smol)   # the module's backbone: loaded once
     monkeypatch.setattr(app, "WORK_DIR", tmp_path / "sessions")
     shipped = Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m"
-    demo = app.build_demo()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    url = serve(app.build_demo())
     client = Client(url, verbose=False)
     try:
         cb = dict(premise="It rained all day, so the match was called off.", hypothesis="The match was played.")
@@ -198,4 +193,3 @@ def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch):
         assert err == "" and "**Done** (max_steps): 2 steps" in progress and capsule["value"].endswith("capsule")
     finally:
         client.close()
-        demo.close()
