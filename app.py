@@ -448,13 +448,10 @@ def build_demo():
                 gr.update(choices=softs, value=soft if soft in [v for _, v in softs] else NONE))
 
     def slider_ranges(backbone, hub_id):   # after each attention view: the sliders follow the backbone shown
-        key = norm_backbone(hub_id or backbone)
-        if key not in _MODELS:
+        bb = _MODELS.get(norm_backbone(hub_id or backbone))
+        if bb is None:
             return gr.skip(), gr.skip()
-        cfg = _MODELS[key].model.config
-        cfg = getattr(cfg, "text_config", None) or cfg
-        heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "num_heads", None)
-        return gr.update(maximum=_MODELS[key].n_layers - 1), gr.update(maximum=heads - 1) if heads else gr.skip()
+        return gr.update(maximum=bb.n_layers - 1), gr.update(maximum=bb.n_heads - 1)
 
     def on_example(task):
         try:

@@ -84,6 +84,12 @@ class Backbone:
         return self.embed.weight.shape[1]
 
     @property
+    def n_heads(self) -> int:
+        """Attention heads per layer of the capsule's stack (the H of attention maps)."""
+        cfg = getattr(self.model.config, "text_config", None) or self.model.config
+        return int(getattr(cfg, "num_attention_heads", None) or cfg.num_heads)   # T5: num_heads
+
+    @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 

@@ -115,3 +115,10 @@ def test_a_capsule_from_the_wheel_backbone_loads_on_the_hub_backbone(tmp_path):
     folder = capt.save_capsule(random_capsule(wheel), tmp_path / "cap", wheel)
     capt.load_capsule(folder, from_hub)
     check_backbone(from_hub.describe(), wheel)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-mistral", "tiny-t5"])
+def test_layer_and_head_counts_are_those_of_the_attention_maps(name):
+    bb = tiny(name)
+    maps = capt.attention(bb, "a short input", capsule=random_capsule(bb)).maps
+    assert (bb.n_layers, bb.n_heads) == maps.shape[:2]
