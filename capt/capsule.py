@@ -82,14 +82,17 @@ class Capsule(nn.Module):
     def fuse(self, j: int, h: torch.Tensor, call: "CallState") -> torch.Tensor:
         """Hidden states entering capsule layer self.layer_ids[j], with the slot(s) rewritten.
 
-        h: (B, T, d). Returns a new tensor (never edits h in place, so autograd sees every step).
+        h: (B, T, d). With call.write_in_place (the hooks' default) the slot rows of h itself are
+        overwritten when autograd allows it (see `_writable`), else a new tensor is returned; either way
+        autograd records every write, so gradients are the same (tested).
         """
         w = self.weight[j].to(h.dtype)                                   # (d,)
         rows = torch.arange(h.shape[0], device=h.device)
+        put = torch.Tensor.index_put_ if call.write_in_place and _writable(h) else torch.Tensor.index_put
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
             for i, where in enumerate(call.pool_onehot):
-                h = h.index_put((rows, where.long().argmax(1)), pooled[:, i])
+                h = put(h, (rows, where.long().argmax(1)), pooled[:, i])
         fusion = self.config.fusion
         if fusion == "none":
             capsule = w.expand(h.shape[0], -1)
@@ -103,15 +106,31 @@ class Capsule(nn.Module):
                 low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, r)
                 mean = mean + low @ self.proj_b[j].to(h.dtype).T
             if fusion == "prepend":                                       # slot0 = mean, slot1 = W[l]
-                h = h.index_put((rows, call.slot_index[0]), mean)
-                return h.index_put((rows, call.slot_index[1]), w.expand_as(mean))
+                h = put(h, (rows, call.slot_index[0]), mean)
+                return put(h, (rows, call.slot_index[1]), w.expand_as(mean))
             capsule = w + mean
-        # Out-of-place writes at one position per row: a copy of h and, backward, one masked copy of its
-        # gradient (torch.where over the whole (B, T, d) would cost two more full passes per layer)
+        # One write at one position per row (torch.where over the whole (B, T, d) would cost two more full
+        # passes per layer). In place it also skips copying h: the copy and its fresh pages were ~2 % of a
+        # SmolLM2 training step (train.bench's capt-copy row measures it).
         where = (rows, call.slot_index[0])
         if self.config.placement == "inplace":                            # add onto the first real token
-            return h.index_put(where, capsule, accumulate=True)
-        return h.index_put(where, capsule)
+            return put(h, where, capsule, accumulate=True)
+        return put(h, where, capsule)
+
+
+# Ops whose backward does not read their own output: a layer output they produced may be overwritten in
+# place (autograd then routes the overwritten rows' gradient to the capsule). Anything else -> a copy.
+_SAFE_PRODUCERS = ("AddBackward", "SubBackward", "WhereBackward", "IndexPutBackward", "CopySlices",
+                   "GatherBackward", "CloneBackward", "CatBackward")
+
+
+def _writable(h: torch.Tensor) -> bool:
+    """True when writing into h in place cannot disturb a saved tensor or a caller's view of it."""
+    if h._is_view():
+        return False
+    if not h.requires_grad:
+        return True
+    return h.grad_fn is not None and type(h.grad_fn).__name__.startswith(_SAFE_PRODUCERS)
 
 
 def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -142,6 +161,7 @@ class CallState:
     seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
     pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
     real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
+    write_in_place: bool = True      # let fuse() overwrite the slot rows of the layer input it is given
 
     def __post_init__(self) -> None:   # per slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]

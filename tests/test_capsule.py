@@ -144,7 +144,7 @@ def test_fuse_golden_values():
     h = torch.tensor([[[0.0, 0.0], [1.0, 2.0], [3.0, 4.0], [99.0, 99.0]]])   # slot, tok, tok, pad
     slot = torch.tensor([[True, False, False, False]])
     call = capt.capsule.CallState([slot], torch.tensor([[1, 1, 1, 0]]), 4)
-    out = cap.fuse(0, h, call)
+    out = cap.fuse(0, h.clone(), call)
     # mean of (0,0), (1,2), (3,4) = (4/3, 2); plus W
     assert torch.allclose(out[0, 0], torch.tensor([10 + 4 / 3, 22.0]))
     assert torch.equal(out[0, 1:], h[0, 1:])
@@ -191,6 +191,42 @@ def test_slot_holds_W_plus_masked_mean_at_every_layer(arch, side):
             assert torch.equal(after[layer_id][b, others], h_in[others])
         assert torch.equal(after[1][b], before[1][b])  # no capsule at layer 1
     assert inp.anchor.tolist() == first.tolist()
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_in_place_slot_writes_give_the_copys_scores_and_gradients(backbone, option, monkeypatch):
+    """The hooks overwrite the slot rows of each layer input in place (no copy of h); forcing the
+    copying write must give the same scores and the same gradient on every capsule parameter."""
+    import capt.capsule as C
+
+    cap = random_capsule(backbone, **OPTIONS[option])
+    rendered = _rendered(backbone)
+    y = torch.tensor([0, 1, 0])
+    writable, decisions = C._writable, []
+    monkeypatch.setattr(C, "_writable", lambda h: decisions.append(writable(h)) or decisions[-1])
+    results = {}
+    for mode in ("in place", "copy"):
+        if mode == "copy":
+            monkeypatch.setattr(C, "_writable", lambda h: False)
+        cap.zero_grad(set_to_none=True)
+        logits = score(backbone, cap, rendered).logits
+        torch.nn.functional.cross_entropy(logits, y).backward()
+        results[mode] = (logits.detach(), {n: p.grad.clone() for n, p in cap.named_parameters()})
+    assert decisions and all(decisions), "every capsule layer of these backbones can be written in place"
+    (l1, g1), (l2, g2) = results["in place"], results["copy"]
+    assert torch.allclose(l1, l2, atol=1e-6)
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_writable_refuses_views_and_outputs_their_op_saves():
+    from capt.capsule import _writable
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    assert _writable((x + 1)) and _writable(torch.zeros(2, 3))
+    assert not _writable(x)                     # a leaf that requires grad
+    assert not _writable(torch.tanh(x))         # tanh's backward reads its output
+    assert not _writable((x + 1)[:, 1:])        # a view: the write would reach its base
 
 
 def test_masked_mean_ignores_padding():
