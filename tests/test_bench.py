@@ -39,12 +39,15 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
                       "--batch-size", "2", "--json", str(path)])
     out = capsys.readouterr().out
 
-    table = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)}
+    table = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \|$",
+                                             out, re.M)}
     assert list(table) == ROWS
     for name, (n, median, ratio) in table.items():
         assert float(median) >= 0 and float(ratio) > 0, name
     assert table["floor"][0] == "0" and float(table["floor"][2]) == 1.0
     assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
+    parts = dict(re.findall(r"^\| (floor-plus-1|capt-copy) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
+    assert list(parts) == ["floor-plus-1", "capt-copy"] and all(float(v) > 0 for v in parts.values())
     pred = re.search(r"^\| ratio \| ([\d.]+) \|$", out, re.M)
     assert pred and float(pred[1]) > 0
     assert "CaPT step <= 1.03x floor: " in out and "prediction with capsule <= 1.05x without: " in out
@@ -58,7 +61,12 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
         assert int(n.replace(",", "")) == r["trainable"]
         assert math.isclose(float(ratio), r["ratio"], abs_tol=6e-4) and r["ratio"] > 0
         assert len(saved["times"][r["name"]]) == 2
+        assert math.isclose(r["ratio"], bench.paired_ratio(saved["times"][r["name"]], saved["times"]["floor"]))
+        assert math.isclose(r["ratio_of_medians"], r["median_s"] / saved["rows"][0]["median_s"])
     assert math.isclose(float(pred[1]), saved["predict"]["ratio"], abs_tol=6e-4)
+    for r in saved["diagnostic"]:
+        assert math.isclose(float(parts[r["name"]]), r["ratio"], abs_tol=6e-4)
+        assert len(saved["times"][r["name"]]) == 2
 
     after = snapshot(bb)
     assert after["hooks"] == before["hooks"]
@@ -82,3 +90,26 @@ def test_round_robin_interleaves():
     times = bench.round_robin(fns, batches=[0, 1, 2], warmup=1)
     assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2, "c": 2}
     assert order == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2)]
+
+
+def test_diagnostic_rows_change_only_what_they_say():
+    """floor-plus-1 adds one real token in front of each row; capt-copy turns off in-place slot writes
+    for the duration of its step only."""
+    import capt.capsule as C
+
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    batch = (ids, torch.ones_like(ids), torch.tensor([0, 1]))
+    ids2, mask2, y2 = bench.plus_one(batch)
+    assert ids2.tolist() == [[5, 5, 6, 7], [8, 8, 9, 10]] and mask2.shape == (2, 4) and mask2.all()
+    assert y2 is batch[2]
+    seen = []
+    bench.copying(lambda b: seen.append(C._writable(torch.zeros(2))))(batch)
+    assert seen == [False] and C._writable(torch.zeros(2))
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    """A round spoiled for one method (its 2x) moves the median of the ratios less than a ratio of medians."""
+    floor = [1.0, 2.0, 1.0, 1.0, 1.0]
+    method = [1.02, 2.04, 2.02, 1.02, 1.02]   # 1.02x the floor every round, but round 2 was spoiled for it
+    assert bench.paired_ratio(method, floor) == pytest.approx(1.02)
+    assert bench.paired_ratio([3.0, 1.0], [1.0, 1.0]) == pytest.approx(2.0)   # even count: the mean of the middle two
