@@ -349,3 +349,22 @@ def summary_markdown(summary: dict) -> str:
             f"dev at step {summary['best_step']}. Test ({summary['n_test']} examples): {scores}. "
             f"{summary['n_trainable']:,} trainable parameters ({share:.4f} % of the backbone). "
             f"Data: {summary['data']}.")
+
+
+def run_row(summary: dict, when: str = "") -> dict:
+    """The few fields of a finished run's summary that `runs_table` shows (small: it lives in a session)."""
+    return dict(time=when, task=summary["task"], method=summary["method"], backbone=summary["backbone"],
+                n_trainable=summary["n_trainable"], steps=summary["steps"], seconds=summary["train_seconds"],
+                n_test=summary["n_test"],
+                test=" · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items()))
+
+
+def runs_table(rows: list[dict]) -> str:
+    """Finished runs side by side as a markdown table (rows from `run_row`; "" when there are none)."""
+    if not rows:
+        return ""
+    lines = [f"| {r['time']} | {r['task']} | {r['method']} | {r['backbone']} | {r['n_trainable']:,} | {r['steps']} | "
+             f"{r['seconds']:.0f} | {r['n_test']} | {r['test']} |" for r in rows]
+    return ("**Runs in this session** (test metrics on each run's test split; the same task and preset give the "
+            "same split)\n\n| time | task | method | backbone | trainable | steps | seconds | test examples | "
+            "test |\n|---|---|---|---|---:|---:|---:|---:|---|\n" + "\n".join(lines))
