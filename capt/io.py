@@ -31,6 +31,7 @@ from .backbones import Backbone
 from .capsule import Capsule
 from .config import CapsuleConfig
 from .errors import CaptError
+from .hub import check_repo_id
 from .tasks import TASKS, Task, custom_task
 
 CONFIG_FILE = "capsule.json"
@@ -175,6 +176,7 @@ def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, priv
     """Upload a capsule folder to a Hub model repo (private by default); returns the repo URL."""
     from huggingface_hub import HfApi
 
+    repo_id = check_repo_id(repo_id)
     read_config(folder)  # never push something that is not a capsule
     api = HfApi(token=token)
     try:
@@ -190,6 +192,7 @@ def pull_from_hub(repo_id: str, revision: str | None = None, token: str | None =
     """Download a capsule repo (only the capsule files) and return its local folder."""
     from huggingface_hub import snapshot_download
 
+    repo_id = check_repo_id(repo_id)
     try:
         path = snapshot_download(repo_id, revision=revision, token=token,
                                  allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, "README.md"])

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from .backbones import Backbone, load_backbone
 from .config import CapsuleConfig
 from .errors import CaptError
+from .hub import check_repo_id
 from .io import atomic_folder
 from .methods import METHODS, TRAINABLE, Method, make_method
 from .tasks import Task, custom_task, get_task, load_examples, load_file, split_note
@@ -89,6 +90,8 @@ class TrainConfig:
             raise CaptError(f"dev_fraction={self.dev_fraction} is out of range; valid: 0 < f < 0.5")
         if self.data_file and not (self.fields and self.label_words):
             raise CaptError("a data_file needs fields (the input columns) and label_words (label -> word)")
+        if self.source is not None:
+            self.source = check_repo_id(self.source, "dataset")
         CapsuleConfig.from_dict(self.capsule)  # unknown or bad capsule options fail here, before loading
 
     @property

