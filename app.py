@@ -4,22 +4,21 @@ Handlers are plain functions calling `capt` (no Gradio inside); `build_demo()` o
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 
 import capt
 from capt import CaptError, viz
 from capt.analysis import pooled_token_probe
 from capt.config import FUSIONS, HEADS, LAYER_PRESETS, PLACEMENTS
+from capt.hub import check_repo_id, is_repo_id
 from capt.io import (capsule_task, export_zip, find_capsules, find_soft_prompts, import_zip, pull_from_hub,
                      push_to_hub, read_config)
-from capt.training import TrainConfig, prepare_data, train
+from capt.training import TrainConfig, prepare_data, train, train_in_chunks
 
 try:   # Hugging Face ZeroGPU Spaces: a GPU is lent per call of a function decorated with spaces.GPU
     import spaces
@@ -88,13 +87,10 @@ def known_capsule(value: str, session: dict | None) -> bool:   # only these are 
     return value in {str(c) for c in find_capsules(SHIPPED)} | {c["path"] for c in (session or {}).get("capsules", [])}
 
 
-HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # "user/capsule-name", as the Hub spells repo ids
-
-
 def from_hub(repo_id: str, session: dict | None) -> str:
     """A capsule typed in as a Hub repo id: downloaded (capsule files only) and added to the session's list."""
     repo_id = repo_id.strip()
-    if not HUB_REPO.match(repo_id) or ".." in repo_id:
+    if not is_repo_id(repo_id):
         raise CaptError(f"unknown capsule {repo_id!r}: choose one from the list, train or upload one, or type a "
                         "Hub repo id like 'user/capt-cb'")
     folder = str(pull_from_hub(repo_id))   # a clear CaptError when the Hub is unreachable or the repo missing
@@ -112,12 +108,11 @@ def push_capsule(repo_id: str, token: str, session: dict | None, private: bool =
         capsule = capsule or (mine[-1] if mine else "")
         if not capsule or capsule not in mine:
             raise CaptError("train a capsule in this session first: only those can be pushed from here")
-        if not HUB_REPO.match((repo_id or "").strip()):
-            raise CaptError(f"the repo id {repo_id!r} is not valid; give one like 'your-name/capt-cb'")
+        repo_id = check_repo_id(repo_id)
         if not (token or "").strip():
             raise CaptError("give a Hugging Face write token (huggingface.co/settings/tokens); it is used for this "
                             "push only and never stored")
-        url = push_to_hub(capsule, repo_id.strip(), token=token.strip(), private=bool(private))
+        url = push_to_hub(capsule, repo_id, token=token.strip(), private=bool(private))
         return f"Pushed to {url} ({'private' if private else 'public'})."
     except Exception as e:
         return viz.error_message(e)
@@ -308,9 +303,7 @@ def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file:
     if not data_file and str(task).lower() not in capt.TASKS:
         raise CaptError(f"no data for task {task!r}: upload a file, or choose one of {', '.join(capt.TASKS)}")
     if not data_file:
-        hub = (hub_dataset or "").strip() or None   # the task's SuperGLUE-shaped data from the Hub instead
-        if hub and not HUB_REPO.match(hub):
-            raise CaptError(f"the Hub dataset id {hub!r} is not valid; give one like 'aps/super_glue'")
+        hub = (hub_dataset or "").strip() or None   # the task's SuperGLUE-shaped data from the Hub (TrainConfig checks it)
         return TrainConfig(task=capt.get_task(task).name, source=hub, **cfg)
     pairs = [p.split("=", 1) if "=" in p else (p, p) for p in (columns or "").split(",") if p.strip()]
     if not pairs:
@@ -330,7 +323,7 @@ def stop_training(session_id: str) -> str:
 def train_run(backbone: str, task: str, preset: str, session: dict, session_id: str = "local", **options):
     """Yields UI states (figures, progress, session; at the end the capsule, its zip and task) while a thread trains."""
     state = dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, ""), error="",
-                 runs=runs_table(session))
+                 runs=viz.runs_table(session.get("runs", [])))
     try:
         out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         cfg = train_config(backbone, task, preset, str(out), **options)
@@ -360,11 +353,10 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
         _STOPS.pop(session_id, None)
 
 
-def train_chunk(cfg: TrainConfig, budget_minutes: float, resume: bool, emit, stop: threading.Event) -> dict:
-    """One time-boxed piece of a run: train until the run's clock reaches budget_minutes, resuming from the
+def train_chunk(cfg: TrainConfig, resume: bool, emit, stop: threading.Event) -> dict:
+    """One time-boxed piece of a run (cfg.max_minutes is the run's clock at its end), resuming from the
     checkpoint of the previous piece."""
-    return train(replace(cfg, max_minutes=budget_minutes), get_backbone(cfg.backbone), callback=emit, stop=stop,
-                 resume=resume, progress=False)
+    return train(cfg, get_backbone(cfg.backbone), callback=emit, stop=stop, resume=resume, progress=False)
 
 
 # ZeroGPU lends a GPU for one decorated call at a time (decorated once, at import, as it requires)
@@ -373,42 +365,20 @@ gpu_train_chunk = GPU(duration=GPU_CHUNK_S + 60)(train_chunk) if GPU else None  
 
 def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: threading.Event) -> dict:
     """capt.training.train; on ZeroGPU the same run in chunks of GPU_CHUNK_S seconds of training, each a GPU call
-    that resumes from the checkpoint the previous one left (a stop or the run's own end ends the loop)."""
+    that resumes from the checkpoint the previous one left (capt.training.train_in_chunks)."""
     if gpu_train_chunk is None:
         return train(cfg, bb, callback=emit, stop=stop, progress=False)
-    total, k = cfg.max_minutes, 0
-    while True:   # max_minutes counts the whole run, so each chunk adds GPU_CHUNK_S to the budget
-        k += 1
-        budget = k * GPU_CHUNK_S / 60 if total is None else min(total, k * GPU_CHUNK_S / 60)
-        summary = gpu_train_chunk(cfg, budget, k > 1, emit, stop)
-        if summary["stopped_by"] != "max_minutes" or budget == total:
-            return {**summary, "gpu_chunks": k}
-        emit({"kind": "info", "text": f"GPU chunk {k} done at step {summary['steps']}; continuing…"})
-
-
-def runs_table(session: dict) -> str:
-    """This session's trained runs side by side (same task and data: a baseline beside the capsule)."""
-    runs = session.get("runs", [])
-    if not runs:
-        return ""
-    rows = [f"| {r['time']} | {r['task']} | {r['method']} | {r['backbone']} | {r['n_trainable']:,} | {r['steps']} | "
-            f"{r['seconds']:.0f} | {r['n_test']} | {r['test']} |" for r in runs]
-    return ("**Runs in this session** (test metrics on each run's test split; the same task and preset give the "
-            "same split)\n\n| time | task | method | backbone | trainable | steps | seconds | test examples | "
-            "test |\n|---|---|---|---|---:|---:|---:|---:|---|\n" + "\n".join(rows))
+    return train_in_chunks(cfg, lambda chunk, resume: gpu_train_chunk(chunk, resume, emit, stop), GPU_CHUNK_S,
+                           callback=emit)
 
 
 def _finish(summary: dict, session: dict) -> dict:
     """Register a finished run in the session: a capsule (capt, deep-prompt-1) is selected in Predict and
     Attention, a soft prompt (prompt-tuning) is offered for the attention comparison; every run joins the table."""
     key, method = summary["selection_metric"], summary["method"]
-    scores = " · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items())
-    session.setdefault("runs", []).append(dict(
-        time=time.strftime("%H:%M:%S"), task=summary["task"], method=method, backbone=summary["backbone"],
-        n_trainable=summary["n_trainable"], steps=summary["steps"], seconds=summary["train_seconds"],
-        n_test=summary["n_test"], test=scores))
+    session.setdefault("runs", []).append(viz.run_row(summary, time.strftime("%H:%M:%S")))
     out = {"progress": viz.summary_markdown(summary), "capsule": None, "zip": None, "task": (None, ""),
-           "runs": runs_table(session)}
+           "runs": viz.runs_table(session["runs"])}
     if not summary.get("artifact"):   # the linear head keeps nothing to reuse
         return out
     path = Path(summary["artifact"])
@@ -421,7 +391,7 @@ def _finish(summary: dict, session: dict) -> dict:
         return {**out, "progress": out["progress"] + " The capsule is now selected in Predict and Attention.",
                 "capsule": str(path), "zip": str(export_zip(path, path.parent / f"{name}.zip")),
                 "task": task_choice(str(path), session)}
-    zipped = shutil.make_archive(str(path.parent / name), "zip", root_dir=path.parent, base_dir=path.name)
+    zipped = str(export_zip(path, path.parent / f"{name}.zip"))
     if method == "prompt-tuning":
         session.setdefault("soft_prompts", []).append(entry)
         out["progress"] += " The soft prompt is now offered for comparison in the Attention tab."

@@ -353,24 +353,31 @@ def capsule_task(folder: str | Path) -> Task | None:
 
 
 def export_zip(folder: str | Path, zip_path: str | Path | None = None) -> Path:
-    """Zip a capsule folder for download or sharing, and return the zip's path.
+    """Zip a capsule folder, or a baseline's PEFT adapter folder (PeftMethod.save), for download or
+    sharing, and return the zip's path.
 
-    The zip holds only the capsule's files, inside one folder named like the capsule folder:
-    capsule.json, capsule.safetensors, and README.md / results.json when present (nothing else in the
-    folder is taken). `zip_path` defaults to `<folder>.zip` beside the folder. The zip is written to a
+    The zip holds only that artifact's own files, inside one folder named like the source folder: for a
+    capsule capsule.json, capsule.safetensors, and README.md / results.json when present; for an adapter
+    adapter_config.json, adapter_model.safetensors, capt.json and README.md when present. Nothing else in
+    the folder is taken. `zip_path` defaults to `<folder>.zip` beside the folder. The zip is written to a
     temporary file renamed into place, so a failed export never leaves half a zip.
     """
     folder = Path(os.path.abspath(folder))   # a real name for the zip's folder, even for "." or "cap/.."
-    read_config(folder)  # refuse to zip something that is not a capsule
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise CaptError(f"{folder} has no {WEIGHTS_FILE}: it is not a complete capsule, nothing to export")
+    if (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG_FILE).exists():
+        members, weights = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_META, README_FILE), ADAPTER_WEIGHTS
+        what = "PEFT adapter"
+    else:
+        read_config(folder)  # refuse to zip something that is not a capsule
+        members, weights, what = ZIP_FILES, WEIGHTS_FILE, "capsule"
+    if not (folder / weights).is_file():
+        raise CaptError(f"{folder} has no {weights}: it is not a complete {what}, nothing to export")
     zip_path = Path(zip_path) if zip_path is not None else folder.with_name(f"{folder.name}.zip")
     zip_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{zip_path.name}.tmp-", dir=zip_path.parent)
     os.close(fd)
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for name in ZIP_FILES:
+            for name in members:
                 if (folder / name).is_file():
                     z.write(folder / name, f"{folder.name}/{name}")
         os.replace(tmp, zip_path)

@@ -286,6 +286,32 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     return summary
 
 
+def train_in_chunks(cfg: TrainConfig, run_chunk: Callable[[TrainConfig, bool], dict], chunk_seconds: float,
+                    callback: Callable[[dict], None] | None = None) -> dict:
+    """One run as a series of time-boxed calls (e.g. ZeroGPU, which lends a GPU for one call of bounded length).
+
+    run_chunk(chunk_cfg, resume) must call `train(chunk_cfg, ..., resume=resume)` (on whatever device the
+    chunk gets) and return its summary. Chunk k gets max_minutes = k * chunk_seconds / 60 (the run's clock
+    counts every chunk, so each adds chunk_seconds of training), capped by cfg.max_minutes; every chunk
+    after the first resumes from the checkpoint the one before left in cfg.out_dir. The loop ends when a
+    chunk ends for any other reason (max_steps, early stopping, a stop) or reaches the run's own budget.
+    Returns the last chunk's summary with "chunks": how many calls it took.
+    """
+    if not chunk_seconds > 0:
+        raise CaptError(f"chunk_seconds={chunk_seconds} must be positive")
+    if not cfg.out_dir:
+        raise CaptError("training in chunks needs an out_dir: each chunk resumes from the checkpoint kept there")
+    total, k = cfg.max_minutes, 0
+    while True:
+        k += 1
+        budget = k * chunk_seconds / 60 if total is None else min(total, k * chunk_seconds / 60)
+        summary = run_chunk(replace(cfg, max_minutes=budget), k > 1)
+        if summary["stopped_by"] != "max_minutes" or budget == total:
+            return {**summary, "chunks": k}
+        if callback:
+            callback({"kind": "info", "text": f"chunk {k} done at step {summary['steps']}; continuing…"})
+
+
 def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_params, emit, stop, progress, key):
     task, bb = data.task, method.bb
     rendered = [task.render(e, bb.style) for e in data.train]

@@ -292,9 +292,9 @@ def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
     take exactly the steps of one uninterrupted run and end with its capsule."""
     calls = []
 
-    def fake_gpu_chunk(cfg, budget, resume, emit, stop):   # stands in for spaces.GPU(train_chunk)
-        calls.append((budget, resume))
-        return app.train_chunk(cfg, budget, resume, emit, stop)
+    def fake_gpu_chunk(cfg, resume, emit, stop):   # stands in for spaces.GPU(train_chunk)
+        calls.append((cfg.max_minutes, resume))
+        return app.train_chunk(cfg, resume, emit, stop)
 
     monkeypatch.setattr(app, "gpu_train_chunk", fake_gpu_chunk)
     monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after about one step
@@ -303,6 +303,7 @@ def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
                               batch_size=2))[-1]
     assert last["error"] == "" and "**Done** (max_steps): 6 steps" in last["progress"]
     assert len(calls) > 1 and calls[0][1] is False and all(resume for _, resume in calls[1:])
+    assert [budget for budget, _ in calls] == pytest.approx([k * 0.05 / 60 for k in range(1, len(calls) + 1)])
     steps = [json.loads(line) for line in open(os.path.join(os.path.dirname(last["capsule"]), "metrics.jsonl"))]
     assert [e["step"] for e in steps if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]   # no step twice, none lost
 
@@ -332,7 +333,8 @@ def test_a_capsule_from_the_hub_and_a_push_to_it(trained, tmp_path, monkeypatch)
     assert app.push_capsule("me/capt-cb", " hf_x ", session) == "Pushed to https://huggingface.co/me/capt-cb (private)."
     assert pushed == [(states[-1]["capsule"], "me/capt-cb", "hf_x", True)]
     assert "write token" in app.push_capsule("me/capt-cb", "", session)
-    assert "not valid" in app.push_capsule("not a repo", "hf_x", session)
+    assert "'not a repo' is not a Hub model id; give one like 'your-name/capt-cb'" in app.push_capsule(
+        "not a repo", "hf_x", session)
     assert "train a capsule in this session first" in app.push_capsule("me/capt-cb", "hf_x", other)
 
 
@@ -347,7 +349,8 @@ def test_training_data_from_a_hub_dataset_id(tmp_path, monkeypatch):
     session = new_session(tmp_path)
     last = list(app.train_run(BB, "cb", "quick: 20 steps", session, hub_dataset="aps/super_glue", max_steps=2))[-1]
     assert "aps/super_glue" in last["error"] and "Local data" in last["error"] and last["capsule"] is None
-    assert "not valid" in list(app.train_run(BB, "cb", "quick: 20 steps", session, hub_dataset="no such"))[-1]["error"]
+    error = list(app.train_run(BB, "cb", "quick: 20 steps", session, hub_dataset="no such"))[-1]["error"]
+    assert "'no such' is not a Hub dataset id; give one like 'aps/super_glue'" in error
     assert app.train_config(BB, "cb", "quick: 20 steps", str(tmp_path), hub_dataset=" aps/super_glue ").source == \
         "aps/super_glue"
 

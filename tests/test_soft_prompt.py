@@ -156,6 +156,26 @@ def test_save_load_round_trip(bb_name, tmp_path):
     assert soft.meta["metrics"] == {"accuracy": 0.5} and soft.meta["folder"] == str(folder)
 
 
+def test_adapter_zip_holds_only_the_adapter_and_round_trips(tmp_path):
+    import zipfile
+
+    from capt.io import export_zip
+
+    bb = tiny("tiny-llama")
+    folder, method = saved(tmp_path, "tiny-llama")
+    (folder / "stray.log").write_text("not part of the adapter")
+    archive = export_zip(folder, tmp_path / "out" / "pt.zip")
+    with zipfile.ZipFile(archive) as z:
+        assert sorted(z.namelist()) == [f"adapter/{n}" for n in sorted(("README.md", ADAPTER_CONFIG, ADAPTER_META,
+                                                                         ADAPTER_WEIGHTS))]   # no stray.log
+        z.extractall(tmp_path / "unzipped")
+    soft = capt.load_soft_prompt(tmp_path / "unzipped" / "adapter", bb)
+    assert torch.equal(soft.embeddings, method.prompt_encoder["default"].embedding.weight)
+    (folder / ADAPTER_WEIGHTS).unlink()
+    with pytest.raises(capt.CaptError, match="no adapter_model.safetensors: it is not a complete PEFT adapter"):
+        export_zip(folder)
+
+
 def test_seq2seq_adapter_with_two_submodules_feeds_the_first_m(tmp_path):
     """PEFT's seq2seq default stores 2m rows; its forward puts only the first m before the encoder input."""
     bb = tiny("tiny-t5")

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import capt
 from capt.methods import METHODS
-from capt.training import TrainConfig, compare, format_table, train, train_seeds
+from capt.training import TrainConfig, compare, format_table, train, train_in_chunks, train_seeds
 from conftest import tiny
 from train.__main__ import main as cli
 
@@ -103,6 +103,48 @@ def test_resume_continues_where_it_stopped(toy_csv, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if k.startswith("param/"))
     log = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
+
+
+def test_training_in_time_boxed_chunks_equals_one_run(toy_csv, tmp_path):
+    """train_in_chunks (ZeroGPU's way): each chunk's budget grows by chunk_seconds and every chunk after the
+    first resumes; the chunks together give the capsule of one uninterrupted run, each step logged once."""
+    straight = train(toy(toy_csv, tmp_path / "a", max_steps=8, eval_every=1), progress=False)
+    calls, events = [], []
+
+    def chunk(cfg, resume):
+        calls.append((cfg.max_minutes, resume))
+        return train(cfg, resume=resume, progress=False)
+    cfg = toy(toy_csv, tmp_path / "b", max_steps=8, eval_every=1)
+    summary = train_in_chunks(cfg, chunk, chunk_seconds=0.05, callback=events.append)
+    assert summary["steps"] == 8 and summary["stopped_by"] == "max_steps" and summary["chunks"] == len(calls) > 1
+    assert calls[0][1] is False and all(resume for _, resume in calls[1:])
+    assert [m for m, _ in calls] == pytest.approx([k * 0.05 / 60 for k in range(1, len(calls) + 1)])
+    assert len(events) == len(calls) - 1   # one note between chunks
+    assert all(e["kind"] == "info" and e["text"].startswith(f"chunk {k} done at step ") for k, e in enumerate(events, 1))
+    a = load_file(str(tmp_path / "a" / "run" / "checkpoint" / "state.safetensors"))
+    b = load_file(str(tmp_path / "b" / "run" / "checkpoint" / "state.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if k.startswith("param/"))
+    assert straight["test"] == summary["test"]
+    log = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
+
+
+def test_chunks_stop_at_the_runs_own_budget_or_a_stop(toy_csv, tmp_path):
+    calls = []
+
+    def chunk(cfg, resume):   # every chunk runs out of time
+        calls.append(cfg.max_minutes)
+        return {"stopped_by": "max_minutes", "steps": len(calls)}
+    out = train_in_chunks(toy(toy_csv, tmp_path, max_minutes=1.25), chunk, chunk_seconds=30)
+    assert calls == [0.5, 1.0, 1.25] and out["chunks"] == 3   # the last chunk gets what is left, then the run ends
+    calls.clear()
+    stopped = train_in_chunks(toy(toy_csv, tmp_path), lambda cfg, resume: calls.append(1) or {
+        "stopped_by": "stop requested", "steps": 1}, chunk_seconds=30)
+    assert stopped["chunks"] == 1 and calls == [1]
+    with pytest.raises(capt.CaptError, match="chunk_seconds=0 must be positive"):
+        train_in_chunks(toy(toy_csv, tmp_path), chunk, chunk_seconds=0)
+    with pytest.raises(capt.CaptError, match="needs an out_dir"):
+        train_in_chunks(toy(toy_csv, tmp_path, out_dir=None), chunk, chunk_seconds=30)
 
 
 def test_several_seeds_are_averaged(toy_csv, tmp_path):
