@@ -13,7 +13,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from huggingface_hub import hf_hub_download
 
 from .arch import ArchSpec, arch_of, embedding_module, layer_list
 from .errors import CaptError
+from .files import atomic_folder
 from .seeding import seeded
 
 DEFAULT_BACKBONE = "smollm2-135m"
@@ -256,15 +256,12 @@ def _load_embedded(name: str, cache_root: Path):
     del model.config.quantization_config
     model.hf_quantizer = None
     try:
-        tmp = folder.with_name(f".{name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "capt-cache.json").write_text(json.dumps({"revision": rev, "source": str(path)}))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        with atomic_folder(folder) as tmp:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / "capt-cache.json").write_text(json.dumps({"revision": rev, "source": str(path)}))
     except OSError:  # a read-only or full cache only costs speed
-        shutil.rmtree(tmp, ignore_errors=True)
+        pass
     return model, tok, rev
 
 

@@ -18,7 +18,6 @@ import stat
 import tempfile
 import zipfile
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 
@@ -31,6 +30,7 @@ from .backbones import Backbone
 from .capsule import Capsule
 from .config import CapsuleConfig
 from .errors import CaptError
+from .files import atomic_folder  # noqa: F401  (also imported from here by training, card, peft_baselines)
 from .hub import check_repo_id
 from .tasks import TASKS, Task, custom_task
 
@@ -81,29 +81,6 @@ def save_capsule(capsule: Capsule, folder: str | Path, backbone: Backbone, task:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
     return folder
-
-
-@contextmanager
-def atomic_folder(folder: Path):
-    """Yield a temporary folder beside `folder`; on success it replaces `folder` in one rename (an older
-    folder is swapped out only once the new one is complete); on failure nothing is left behind."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a capsule folder is an ordinary folder
-    try:
-        yield tmp
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_config(folder: str | Path) -> dict:
