@@ -82,13 +82,13 @@ class Capsule(nn.Module):
     def fuse(self, j: int, h: torch.Tensor, call: "CallState") -> torch.Tensor:
         """Hidden states entering capsule layer self.layer_ids[j], with the slot(s) rewritten.
 
-        h: (B, T, d). With call.write_in_place (the hooks' default) the slot rows of h itself are
-        overwritten when autograd allows it (see `_writable`), else a new tensor is returned; either way
-        autograd records every write, so gradients are the same (tested).
+        h: (B, T, d). The slot rows of h itself are overwritten when autograd allows it (see `_writable`:
+        the hooks hand over each layer's fresh input), else a new tensor is returned; either way autograd
+        records every write, so scores and gradients are the same (tested).
         """
         w = self.weight[j].to(h.dtype)                                   # (d,)
         rows = torch.arange(h.shape[0], device=h.device)
-        put = torch.Tensor.index_put_ if call.write_in_place and _writable(h) else torch.Tensor.index_put
+        put = torch.Tensor.index_put_ if _writable(h) else torch.Tensor.index_put
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
             for i, where in enumerate(call.pool_onehot):
@@ -110,8 +110,8 @@ class Capsule(nn.Module):
                 return put(h, (rows, call.slot_index[1]), w.expand_as(mean))
             capsule = w + mean
         # One write at one position per row (torch.where over the whole (B, T, d) would cost two more full
-        # passes per layer). In place it also skips copying h: the copy and its fresh pages were ~2 % of a
-        # SmolLM2 training step (train.bench's capt-copy row measures it).
+        # passes per layer). In place it also skips a copy of h per layer; train.bench's capt-copy row
+        # measures that: between -1.7 % and +4.0 % of a SmolLM2 step over four runs (run-to-run noise).
         where = (rows, call.slot_index[0])
         if self.config.placement == "inplace":                            # add onto the first real token
             return put(h, where, capsule, accumulate=True)
@@ -161,7 +161,6 @@ class CallState:
     seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
     pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
     real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
-    write_in_place: bool = True      # let fuse() overwrite the slot rows of the layer input it is given
 
     def __post_init__(self) -> None:   # per slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]

@@ -48,6 +48,8 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
     assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
     parts = dict(re.findall(r"^\| (floor-plus-1|capt-copy) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
     assert list(parts) == ["floor-plus-1", "capt-copy"] and all(float(v) > 0 for v in parts.values())
+    hooks = re.search(r"^capt / floor-plus-1 .*: ([\d.]+)x$", out, re.M)
+    assert hooks and float(hooks[1]) > 0
     pred = re.search(r"^\| ratio \| ([\d.]+) \|$", out, re.M)
     assert pred and float(pred[1]) > 0
     assert "CaPT step <= 1.03x floor: " in out and "prediction with capsule <= 1.05x without: " in out
@@ -64,6 +66,8 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
         assert math.isclose(r["ratio"], bench.paired_ratio(saved["times"][r["name"]], saved["times"]["floor"]))
         assert math.isclose(r["ratio_of_medians"], r["median_s"] / saved["rows"][0]["median_s"])
     assert math.isclose(float(pred[1]), saved["predict"]["ratio"], abs_tol=6e-4)
+    assert math.isclose(saved["capt_vs_floor_plus_1"], bench.paired_ratio(saved["times"]["capt"],
+                                                                          saved["times"]["floor-plus-1"]))
     for r in saved["diagnostic"]:
         assert math.isclose(float(parts[r["name"]]), r["ratio"], abs_tol=6e-4)
         assert len(saved["times"][r["name"]]) == 2

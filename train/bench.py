@@ -7,13 +7,14 @@ of random token ids (batch_size rows of exactly seq_len real tokens, no padding)
 log-softmax of the LM head at the last position, the two label words picked, cross-entropy (as CaPT).
     floor              frozen backbone, backward to inputs_embeds only: no method can train for less
     capt               the default capsule (Capsule.for_backbone), through capt.capsule.run
-  two diagnostic rows that split CaPT's overhead (not compared with the targets):
+    prompt-tuning-m    PEFT PromptTuning with m = 20, 100 virtual tokens (capt.peft_baselines)
+    p-tuning-v2-m      PEFT PrefixTuning with m = 20, 100 (a K/V prefix at every layer)
+  and, to split CaPT's overhead (not compared with the targets):
     floor-plus-1       the floor on the same batches with one more token per row: what the capsule
                        slot's extra position alone costs (the sequence grows from T to T+1)
     capt-copy          capt with every slot write forced to copy the layer input instead of writing
                        in place (what capt did before in-place writes): what those save
-    prompt-tuning-m    PEFT PromptTuning with m = 20, 100 virtual tokens (capt.peft_baselines)
-    p-tuning-v2-m      PEFT PrefixTuning with m = 20, 100 (a K/V prefix at every layer)
+    capt / floor-plus-1  capt's paired ratio to floor-plus-1: the per-layer mean and slot write alone
 Prediction = forward only, no grad, batch 1, seq_len tokens, with and without the capsule.
 
 Why round-robin: a shared CPU drifts (another job starts, the clock throttles, caches warm). Timing
@@ -196,10 +197,12 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
                 "ratio_of_medians": med[name] / med[base]}
     rows = [{"name": name, "trainable": n, **against(name)} for name, (_, n) in steps.items()]
     parts = [{"name": name, **against(name)} for name in diagnostic]
+    hooks = against("capt", "floor-plus-1")   # the same T+1 tokens on both sides: the per-layer work alone
     pred = against("predict+capsule", "predict")
     pred_ratio = pred["ratio"]
     return {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats,
-            "warmup": warmup, "threads": torch.get_num_threads(), "rows": rows, "diagnostic": parts, "times": times,
+            "warmup": warmup, "threads": torch.get_num_threads(), "rows": rows, "diagnostic": parts,
+            "capt_vs_floor_plus_1": hooks["ratio"], "times": times,
             "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred_ratio,
                         "ratio_of_medians": pred["ratio_of_medians"]},
             "targets": {"capt_step": rows[1]["ratio"] <= TARGETS["step"], "predict": pred_ratio <= TARGETS["predict"]}}
@@ -222,6 +225,8 @@ def format_table(res: dict) -> str:
               "|---|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['median_s']:.4f} | {r['ratio']:.3f} | {r['ratio_of_medians']:.3f} |"
               for r in res["diagnostic"]]
+    lines += ["", f"capt / floor-plus-1 (the capsule's per-layer work alone, same T+1 tokens): "
+              f"{res['capt_vs_floor_plus_1']:.3f}x"]
     lines += ["", "| prediction (batch 1) | median s |", "|---|---:|",
               f"| without capsule | {p['without_s']:.4f} |", f"| with capsule | {p['with_s']:.4f} |",
               f"| ratio | {p['ratio']:.3f} |", f"| ratio (medians) | {p['ratio_of_medians']:.3f} |", "",
