@@ -303,7 +303,7 @@ def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file:
     if not data_file and str(task).lower() not in capt.TASKS:
         raise CaptError(f"no data for task {task!r}: upload a file, or choose one of {', '.join(capt.TASKS)}")
     if not data_file:
-        hub = (hub_dataset or "").strip() or None   # the task's SuperGLUE-shaped data from the Hub (TrainConfig checks it)
+        hub = (hub_dataset or "").strip() or None   # SuperGLUE-shaped data from the Hub (TrainConfig checks the id)
         return TrainConfig(task=capt.get_task(task).name, source=hub, **cfg)
     pairs = [p.split("=", 1) if "=" in p else (p, p) for p in (columns or "").split(",") if p.strip()]
     if not pairs:

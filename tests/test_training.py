@@ -120,7 +120,8 @@ def test_training_in_time_boxed_chunks_equals_one_run(toy_csv, tmp_path):
     assert calls[0][1] is False and all(resume for _, resume in calls[1:])
     assert [m for m, _ in calls] == pytest.approx([k * 0.05 / 60 for k in range(1, len(calls) + 1)])
     assert len(events) == len(calls) - 1   # one note between chunks
-    assert all(e["kind"] == "info" and e["text"].startswith(f"chunk {k} done at step ") for k, e in enumerate(events, 1))
+    assert all(e["kind"] == "info" and e["text"].startswith(f"chunk {k} done at step ")
+               for k, e in enumerate(events, 1))
     a = load_file(str(tmp_path / "a" / "run" / "checkpoint" / "state.safetensors"))
     b = load_file(str(tmp_path / "b" / "run" / "checkpoint" / "state.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if k.startswith("param/"))
@@ -218,6 +219,18 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     assert card([str(tmp_path / "shipped"), "--table"]) == 0
     table = capsys.readouterr().out
     assert table.startswith("| task | metric | capt | zero-shot | majority |") and "| toy | accuracy |" in table
+
+
+def test_readme_results_table_is_the_shipped_capsules_own():
+    """The README's cross-task table is exactly what `train.card --table` reads from the shipped cards'
+    results.json files: a capsule retrained without updating the README fails here."""
+    from pathlib import Path
+
+    from train.card import results_table
+
+    root = Path(__file__).resolve().parent.parent
+    table = results_table(root / "capsules" / "smollm2-135m").strip()
+    assert table.count("\n") == 7 and table in (root / "README.md").read_text()
 
 
 def test_two_processes_under_accelerate_launch(toy_csv, tmp_path):

@@ -10,6 +10,7 @@ def test_runs_table_rows_come_from_run_summaries():
     table = viz.runs_table([row, {**row, "method": "linear-head"}])
     lines = table.splitlines()
     assert lines[2].startswith("| time | task | method |") and len(lines) == 6
-    assert lines[4] == "| 12:00:00 | cb | capt | tiny-llama | 17,280 | 20 | 12 | 56 | accuracy 57.1 % · macro_f1 40.0 % |"
+    assert lines[4] == ("| 12:00:00 | cb | capt | tiny-llama | 17,280 | 20 | 12 | 56 | "
+                        "accuracy 57.1 % · macro_f1 40.0 % |")
     assert "| linear-head |" in lines[5]
     assert viz.runs_table([]) == ""

@@ -218,7 +218,8 @@ def format_table(res: dict) -> str:
     p, capt_row = res["predict"], res["rows"][1]
     lines = [f"Backbone {res['backbone']}: batch {res['batch_size']} x {res['seq_len']} tokens, "
              f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup), {res['threads']} threads",
-             "", "| name | trainable params | median step s | x floor | x floor (medians) |", "|---|---:|---:|---:|---:|"]
+             "", "| name | trainable params | median step s | x floor | x floor (medians) |",
+             "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | "
               f"{r['ratio_of_medians']:.3f} |" for r in res["rows"]]
     lines += ["", "| where CaPT's extra time goes (diagnostic) | median step s | x floor | x floor (medians) |",
