@@ -30,7 +30,7 @@ from .backbones import Backbone
 from .capsule import Capsule
 from .config import CapsuleConfig
 from .errors import CaptError
-from .files import atomic_folder  # noqa: F401  (also imported from here by training, card, peft_baselines)
+from .files import atomic_folder
 from .hub import check_repo_id
 from .tasks import TASKS, Task, custom_task
 

@@ -21,7 +21,8 @@ import torch
 from .backbones import Backbone
 from .errors import CaptError
 from .seeding import seeded
-from .io import atomic_folder, task_to_dict
+from .files import atomic_folder
+from .io import task_to_dict
 from .methods import Method
 from .scoring import Scores, _last_real, encode_prompts, pad
 from .tasks import Rendered, Task

@@ -30,7 +30,7 @@ from .backbones import Backbone, load_backbone
 from .config import CapsuleConfig
 from .errors import CaptError
 from .hub import check_repo_id
-from .io import atomic_folder
+from .files import atomic_folder
 from .methods import METHODS, TRAINABLE, Method, make_method
 from .tasks import Task, custom_task, get_task, load_examples, load_file, split_note
 

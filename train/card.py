@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from capt.io import atomic_folder
+from capt.files import atomic_folder
 from capt.training import DEFAULT_LR
 
 
