@@ -294,12 +294,10 @@ def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file:
         raise CaptError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     if method not in TRAIN_METHODS:
         raise CaptError(f"unknown method {method!r}; valid: {', '.join(TRAIN_METHODS)}")
-    spec = str(layers or "all").strip()   # a preset name, or layer indices like "0, 2, 5"
-    spec = [int(x) for x in spec.replace(",", " ").split() if x.isdigit()] if spec[:1].isdigit() else spec
     cfg = {**PRESETS[preset], **({"max_steps": int(max_steps), "max_minutes": None} if max_steps else {})}
     cfg.update(method=method, backbone=norm_backbone(backbone), lr=float(lr) if lr else None,
                batch_size=int(batch_size or 8), seed=int(seed or 0), out_dir=out_dir,
-               capsule=dict(fusion=fusion, placement=placement, layers=spec, head=head))
+               capsule=dict(fusion=fusion, placement=placement, layers=str(layers or "all").strip(), head=head))
     if not data_file and str(task).lower() not in capt.TASKS:
         raise CaptError(f"no data for task {task!r}: upload a file, or choose one of {', '.join(capt.TASKS)}")
     if not data_file:

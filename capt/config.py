@@ -47,6 +47,12 @@ class CapsuleConfig:
         _choose("fusion", self.fusion, FUSIONS)
         _choose("placement", self.placement, PLACEMENTS)
         _choose("head", self.head, HEADS)
+        if isinstance(self.layers, str) and self.layers.strip()[:1].isdigit():   # "0, 2, 5" (CLI, app)
+            try:
+                self.layers = [int(x) for x in self.layers.replace(",", " ").split()]
+            except ValueError:
+                raise CaptError(f"layers={self.layers!r} is not valid; give one of {LAYER_PRESETS} "
+                                "or layer indices like '0, 2, 5'") from None
         if isinstance(self.layers, str):
             _choose("layers", self.layers, LAYER_PRESETS + ("a list of layer indices",))
         else:

@@ -271,6 +271,15 @@ def test_bad_options_name_the_valid_ones():
         capt.Capsule.for_backbone(tiny("tiny-llama"), capt.CapsuleConfig(layers=[1, 7]))
     with pytest.raises(capt.CaptError, match="unknown capsule option"):
         capt.CapsuleConfig.from_dict({"fusion": "add", "colour": "red"})
+    with pytest.raises(capt.CaptError, match=r"layers='0, x' is not valid.*like '0, 2, 5'"):
+        capt.CapsuleConfig(layers="0, x")
+
+
+def test_layer_indices_as_text_are_parsed_once_for_cli_and_app():
+    """The CLI's --layers 0,2,5 and the app's "0, 2 5" box reach CapsuleConfig as text; it parses them."""
+    assert capt.CapsuleConfig(layers="0,2,5").layers == [0, 2, 5]
+    assert capt.CapsuleConfig(layers=" 5, 0 2 ").layers == [0, 2, 5]
+    assert capt.CapsuleConfig(layers="odd").layers == "odd"
 
 
 def test_unknown_backbone_lists_the_valid_ones():

@@ -179,6 +179,7 @@ def test_cli_runs_and_prints_a_summary(toy_csv, tmp_path, capsys):
     (["--lr", "-1"], "lr=-1.0 is out of range"),
     (["--max-steps", "0"], "max_steps=0 is out of range"),
     (["--fusion", "sum"], "fusion='sum' is not valid"),
+    (["--layers", "0,x"], "layers='0,x' is not valid"),
     (["--data-file", "x.csv"], "needs fields"),
 ])
 def test_bad_input_fails_before_training_with_a_clear_message(args, message, capsys, tmp_path):

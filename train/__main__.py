@@ -81,7 +81,7 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
 def config_from(args) -> TrainConfig:
     capsule = {k: getattr(args, k) for k in ("fusion", "placement", "head") if getattr(args, k)}
     if args.layers:
-        capsule["layers"] = ([int(x) for x in args.layers.split(",")] if args.layers[0].isdigit() else args.layers)
+        capsule["layers"] = args.layers   # a preset or "0,2,5": CapsuleConfig parses and checks it
     return TrainConfig(
         task=args.task, method=getattr(args, "method", "capt"), backbone=args.backbone, lr=args.lr,
         batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps, max_minutes=args.max_minutes,
