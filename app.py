@@ -14,6 +14,7 @@ from pathlib import Path
 import capt
 from capt import CaptError, viz
 from capt.analysis import pooled_token_probe
+from capt.backbones import canonical_name
 from capt.config import FUSIONS, HEADS, LAYER_PRESETS, PLACEMENTS
 from capt.hub import check_repo_id, is_repo_id
 from capt.io import (capsule_task, export_zip, find_capsules, find_soft_prompts, import_zip, pull_from_hub,
@@ -54,13 +55,8 @@ _MODELS, _LOCK = {}, threading.Lock()      # name -> Backbone, read-only once lo
 _STOPS: dict[str, threading.Event] = {}     # session id -> the stop flag of the training it runs
 
 
-def norm_backbone(name: str) -> str:
-    key = (name or "").strip()
-    return key.lower() if key.lower() in capt.EMBEDDED + capt.TINY else capt.HUB_ALIASES.get(key.lower(), key)
-
-
 def get_backbone(name: str) -> capt.Backbone:
-    key = norm_backbone(name)
+    key = canonical_name(name)
     if not key:
         raise CaptError("choose a backbone or type a hub id")
     if key not in _MODELS:
@@ -78,7 +74,7 @@ def session_dir(session: dict) -> Path:
 
 def capsule_choices(backbone: str, session: dict | None) -> list[tuple[str, str]]:
     """(label, value): zero-shot, this backbone's shipped capsules, this session's trained or uploaded ones."""
-    key = norm_backbone(backbone)
+    key = canonical_name(backbone)
     out = [("none (zero-shot)", NONE)] + [(f"shipped: {c.name}", str(c)) for c in find_capsules(SHIPPED, key)]
     return out + [(c["label"], c["path"]) for c in (session or {}).get("capsules", []) if c["backbone"] == key]
 
@@ -120,7 +116,7 @@ def push_capsule(repo_id: str, token: str, session: dict | None, private: bool =
 
 def soft_prompt_choices(backbone: str, session: dict | None) -> list[tuple[str, str]]:
     """(label, value): no comparison, this backbone's shipped soft prompts, this session's trained ones."""
-    key = norm_backbone(backbone)
+    key = canonical_name(backbone)
     shipped = [(f"shipped: {p.parent.name}/{p.name}", str(p)) for p in find_soft_prompts(SHIPPED, key)]
     mine = [(c["label"], c["path"]) for c in (session or {}).get("soft_prompts", []) if c["backbone"] == key]
     return [("none", NONE)] + shipped + mine
@@ -164,7 +160,7 @@ def upload_capsule(zip_path: str | None, backbone: str, session: dict) -> tuple[
         owner, task = read_config(folder)["backbone"]["name"], capsule_task(folder)
         session["capsules"].append({"label": f"uploaded: {Path(zip_path).stem} ({getattr(task, 'name', 'no task')})",
                                     "path": str(folder), "backbone": owner})
-        if owner != norm_backbone(backbone):
+        if owner != canonical_name(backbone):
             return session, None, (f"This capsule was trained for backbone '{owner}', not '{backbone}'. It is kept in "
                                    f"this session's list for '{owner}': select that backbone to use it.")
         return session, str(folder), ""
@@ -295,7 +291,7 @@ def train_config(backbone: str, task: str, preset: str, out_dir: str, data_file:
     if method not in TRAIN_METHODS:
         raise CaptError(f"unknown method {method!r}; valid: {', '.join(TRAIN_METHODS)}")
     cfg = {**PRESETS[preset], **({"max_steps": int(max_steps), "max_minutes": None} if max_steps else {})}
-    cfg.update(method=method, backbone=norm_backbone(backbone), lr=float(lr) if lr else None,
+    cfg.update(method=method, backbone=canonical_name(backbone), lr=float(lr) if lr else None,
                batch_size=int(batch_size or 8), seed=int(seed or 0), out_dir=out_dir,
                capsule=dict(fusion=fusion, placement=placement, layers=str(layers or "all").strip(), head=head))
     if not data_file and str(task).lower() not in capt.TASKS:
@@ -416,7 +412,7 @@ def build_demo():
                 gr.update(choices=softs, value=soft if soft in [v for _, v in softs] else NONE))
 
     def slider_ranges(backbone, hub_id):   # after each attention view: the sliders follow the backbone shown
-        bb = _MODELS.get(norm_backbone(hub_id or backbone))
+        bb = _MODELS.get(canonical_name(hub_id or backbone))
         if bb is None:
             return gr.skip(), gr.skip()
         return gr.update(maximum=bb.n_layers - 1), gr.update(maximum=bb.n_heads - 1)
@@ -433,7 +429,7 @@ def build_demo():
         return session, gr.update(choices=capsule_choices(hub_id or backbone, session), value=value or NONE), toast(err)
 
     def on_train(request: gr.Request, source, task_name, session, data_file=None, **kw):
-        own, bb = source == OWN_FILE, norm_backbone(kw["backbone"])
+        own, bb = source == OWN_FILE, canonical_name(kw["backbone"])
         kw.update(task=task_name if own else kw["task"], data_file=data_file if own else None)
         for s in train_run(session=session, session_id=request.session_hash or "api", **kw):
             picks = (bb if bb in BACKBONES else gr.skip(), "" if bb in BACKBONES else bb, gr.update(

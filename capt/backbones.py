@@ -106,6 +106,15 @@ class Backbone:
                 "n_layers": self.n_layers, "hidden_size": self.hidden_size}
 
 
+def canonical_name(name: str) -> str:
+    """The name `load_backbone(name)` gives its Backbone: an embedded or tiny name in lower case, a hub alias
+    as its hub id, anything else (a hub id) as typed, without surrounding spaces."""
+    key = (name or "").strip()
+    if key.lower() in EMBEDDED + TINY:
+        return key.lower()
+    return HUB_ALIASES.get(key.lower(), key)
+
+
 def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", device: str | None = None,
                   revision: str | None = None, max_length: int | None = None,
                   cache_dir: str | Path | None = None) -> Backbone:
@@ -113,15 +122,12 @@ def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", devic
     if dtype not in DTYPES:
         raise CaptError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    key = name.strip()
-    if key.lower() in EMBEDDED:
-        model, tok, rev = _load_embedded(key.lower(), Path(cache_dir) if cache_dir else _cache_root())
-        key = key.lower()
-    elif key.lower() in TINY:
-        model, tok, rev = _build_tiny(key.lower())
-        key = key.lower()
+    key = canonical_name(name)
+    if key in EMBEDDED:
+        model, tok, rev = _load_embedded(key, Path(cache_dir) if cache_dir else _cache_root())
+    elif key in TINY:
+        model, tok, rev = _build_tiny(key)
     else:
-        key = HUB_ALIASES.get(key.lower(), key)
         if "/" not in key:
             raise CaptError(f"unknown backbone '{name}'; embedded: {', '.join(EMBEDDED)}; hub aliases: "
                             f"{', '.join(HUB_ALIASES)}; tiny test models: {', '.join(TINY)}; "

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from .backbones import Backbone, load_backbone
 from .config import CapsuleConfig
 from .errors import CaptError
-from .hub import check_repo_id
 from .files import atomic_folder
+from .hub import check_repo_id
 from .methods import METHODS, TRAINABLE, Method, make_method
 from .tasks import Task, custom_task, get_task, load_examples, load_file, split_note
 

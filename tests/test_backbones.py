@@ -122,3 +122,14 @@ def test_layer_and_head_counts_are_those_of_the_attention_maps(name):
     bb = tiny(name)
     maps = capt.attention(bb, "a short input", capsule=random_capsule(bb)).maps
     assert (bb.n_layers, bb.n_heads) == maps.shape[:2]
+
+
+def test_canonical_name_is_the_name_a_loaded_backbone_gets():
+    """The app caches and lists backbones under canonical_name(typed text); load_backbone names them the same."""
+    from capt.backbones import HUB_ALIASES, canonical_name
+
+    assert canonical_name(" Tiny-Llama ") == "tiny-llama" == capt.load_backbone(" Tiny-Llama ").name
+    assert canonical_name("SmolLM2-135M") == "smollm2-135m"
+    alias = next(iter(HUB_ALIASES))
+    assert canonical_name(alias.upper()) == HUB_ALIASES[alias] and canonical_name("Org/Model") == "Org/Model"
+    assert canonical_name(None) == ""
