@@ -265,7 +265,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     if cfg.method in TRAINABLE:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         if resume and run.dir and (run.dir / "checkpoint" / "state.json").exists():
-            best_params = _load_checkpoint(run.dir / "checkpoint", method, optimizer, state)
+            best_params = _load_checkpoint(run.dir / "checkpoint", method, optimizer, state, cfg)
         _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_params, emit, stop, progress, key)
         method.load_state_dict(best_params)
     else:
@@ -339,7 +339,7 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
         run.log(record)
         emit(record)
         if run.dir:
-            _save_checkpoint(run.dir / "checkpoint", method, optimizer, state, best_params)
+            _save_checkpoint(run.dir / "checkpoint", method, optimizer, state, best_params, cfg)
         return state["bad_evals"] >= cfg.patience
 
     while state["step"] < total:
@@ -414,7 +414,17 @@ def _finite(x: float) -> float | None:
 
 # --- checkpoints (safetensors + JSON; no pickle) -------------------------------------------------
 
-def _save_checkpoint(folder: Path, method: Method, optimizer, state: dict, best_params: dict) -> None:
+# What a resumed run may change: its budget and bookkeeping. Anything else (task, method, lr, data caps,
+# capsule options, ...) would silently continue a different run, so resuming with it changed is refused.
+RESUMABLE_CHANGES = ("max_steps", "max_minutes", "epochs", "patience", "eval_every", "out_dir")
+
+
+def _run_identity(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+
+
+def _save_checkpoint(folder: Path, method: Method, optimizer, state: dict, best_params: dict,
+                     cfg: TrainConfig) -> None:
     tensors = {f"param/{k}": v.detach().cpu().contiguous() for k, v in method.state_dict().items()}
     tensors.update({f"best/{k}": v.detach().cpu().contiguous() for k, v in best_params.items()})
     names = {id(p): n for n, p in method.named_parameters()}
@@ -424,12 +434,22 @@ def _save_checkpoint(folder: Path, method: Method, optimizer, state: dict, best_
                 tensors[f"opt/{names[id(p)]}/{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
     with atomic_folder(folder) as tmp:
         save_tensors(tensors, str(tmp / "state.safetensors"))
-        (tmp / "state.json").write_text(json.dumps(state))
+        (tmp / "state.json").write_text(json.dumps({**state, "config": _run_identity(cfg)}))
 
 
-def _load_checkpoint(folder: Path, method: Method, optimizer, state: dict) -> dict:
+def _load_checkpoint(folder: Path, method: Method, optimizer, state: dict, cfg: TrainConfig) -> dict:
+    saved = json.loads((folder / "state.json").read_text())
+    before = saved.pop("config", None)          # checkpoints written before this check carry none
+    if before is not None:
+        now = json.loads(json.dumps(_run_identity(cfg)))  # tuples -> lists, as the file has them
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed:
+            diff = "; ".join(f"{k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}" for k in changed)
+            raise CaptError(f"cannot resume from {folder}: the run's settings differ ({diff}). Resume with the "
+                            f"checkpoint's settings (only {', '.join(RESUMABLE_CHANGES[:-1])} may change) or "
+                            f"give a new --out")
     tensors = load_tensors(str(folder / "state.safetensors"))
-    state.update(json.loads((folder / "state.json").read_text()))
+    state.update(saved)
     state["stopped_by"] = None
     method.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("param/")})
     params = dict(method.named_parameters())

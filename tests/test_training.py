@@ -105,6 +105,38 @@ def test_resume_continues_where_it_stopped(toy_csv, tmp_path):
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
 
 
+def test_resume_refuses_a_run_with_other_settings_and_loses_nothing(toy_csv, tmp_path):
+    """Resuming with a changed lr (or task, capsule option, ...) would silently continue a different run:
+    refused with the differing settings named; the checkpoint is left as it was. The budget may change."""
+    cfg = toy(toy_csv, tmp_path, max_steps=2, eval_every=1)
+    train(cfg, progress=False)
+    ckpt = tmp_path / "run" / "checkpoint"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(capt.CaptError, match=r"settings differ \(lr: checkpoint None, now 0\.5\).*new --out"):
+        train(toy(toy_csv, tmp_path, max_steps=4, eval_every=1, lr=0.5), resume=True, progress=False)
+    with pytest.raises(capt.CaptError, match=r"capsule: checkpoint \{\}, now \{'fusion': 'project'\}"):
+        train(toy(toy_csv, tmp_path, max_steps=4, eval_every=1, capsule={"fusion": "project"}), resume=True,
+              progress=False)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    more = train(toy(toy_csv, tmp_path, max_steps=4, eval_every=2, patience=3), resume=True, progress=False)
+    assert more["steps"] == 4
+
+
+def test_compare_resume_extends_every_method_from_its_own_checkpoint(toy_csv, tmp_path, capsys):
+    """`compare --resume` with a larger --max-steps continues each trained method where it stopped (the
+    flag used to be accepted and ignored in compare mode, silently restarting from step 0)."""
+    args = ["compare", "--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields",
+            "text", "--label-column", "y", "--label-words", "a= the", "b= a", "--quiet", "--eval-every", "1",
+            "--methods", "capt", "linear-head", "zero-shot", "--out", str(tmp_path / "cmp")]
+    assert cli(args + ["--max-steps", "2"]) == 0
+    assert cli(args + ["--max-steps", "4", "--resume"]) == 0
+    capsys.readouterr()
+    for m in ("capt", "linear-head"):
+        log = [json.loads(x) for x in (tmp_path / "cmp" / m / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3, 4]
+        assert json.loads((tmp_path / "cmp" / m / "summary.json").read_text())["steps"] == 4
+
+
 def test_training_in_time_boxed_chunks_equals_one_run(toy_csv, tmp_path):
     """train_in_chunks (ZeroGPU's way): each chunk's budget grows by chunk_seconds and every chunk after the
     first resumes; the chunks together give the capsule of one uninterrupted run, each step logged once."""

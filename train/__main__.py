@@ -73,7 +73,7 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
     p.add_argument("--label-column", default="label")
     p.add_argument("--label-words", nargs="+", help="label=word pairs, e.g. 1=yes 0=no")
     p.add_argument("--out", help="run folder: metrics.jsonl, summary.json, checkpoint/, capsule/")
-    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint (compare: each method's own, under --out/<method>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from(args)
         if compare_mode:
-            rows = compare(cfg, args.methods, args.seeds, progress=not args.quiet)
+            rows = compare(cfg, args.methods, args.seeds, resume=args.resume, progress=not args.quiet)
             print(format_table(rows))
             if cfg.out_dir:  # the model card quotes the exact command
                 path = Path(cfg.out_dir) / "compare.json"
