@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import tiny
 
+import capt
+
 import train.bench as bench
 
 ROWS = ["floor", "capt", "prompt-tuning-20", "prompt-tuning-100", "p-tuning-v2-20", "p-tuning-v2-100"]
@@ -46,8 +48,8 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
         assert float(median) >= 0 and float(ratio) > 0, name
     assert table["floor"][0] == "0" and float(table["floor"][2]) == 1.0
     assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
-    parts = dict(re.findall(r"^\| (floor-plus-1|capt-copy) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
-    assert list(parts) == ["floor-plus-1", "capt-copy"] and all(float(v) > 0 for v in parts.values())
+    parts = dict(re.findall(r"^\| (floor-plus-1|capt-unfused) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
+    assert list(parts) == ["floor-plus-1", "capt-unfused"] and all(float(v) > 0 for v in parts.values())
     hooks = re.search(r"^capt / floor-plus-1 .*: ([\d.]+)x$", out, re.M)
     assert hooks and float(hooks[1]) > 0
     pred = re.search(r"^\| ratio \| ([\d.]+) \|$", out, re.M)
@@ -97,8 +99,8 @@ def test_round_robin_interleaves():
 
 
 def test_diagnostic_rows_change_only_what_they_say():
-    """floor-plus-1 adds one real token in front of each row; capt-copy turns off in-place slot writes
-    for the duration of its step only."""
+    """floor-plus-1 adds one real token in front of each row; capt-unfused turns off the fused slot node
+    and in-place slot writes for the duration of its step only."""
     import capt.capsule as C
 
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
@@ -107,8 +109,8 @@ def test_diagnostic_rows_change_only_what_they_say():
     assert ids2.tolist() == [[5, 5, 6, 7], [8, 8, 9, 10]] and mask2.shape == (2, 4) and mask2.all()
     assert y2 is batch[2]
     seen = []
-    bench.copying(lambda b: seen.append(C._writable(torch.zeros(2))))(batch)
-    assert seen == [False] and C._writable(torch.zeros(2))
+    bench.unfused(lambda b: seen.append((C._FUSED, C._writable(torch.zeros(2)))))(batch)
+    assert seen == [(False, False)] and C._FUSED and C._writable(torch.zeros(2))
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():
@@ -117,3 +119,41 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     method = [1.02, 2.04, 2.02, 1.02, 1.02]   # 1.02x the floor every round, but round 2 was spoiled for it
     assert bench.paired_ratio(method, floor) == pytest.approx(1.02)
     assert bench.paired_ratio([3.0, 1.0], [1.0, 1.0]) == pytest.approx(2.0)   # even count: the mean of the middle two
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_on_a_tasks_own_padded_batches(capsys, monkeypatch):
+    """--task times the batches training builds (length buckets, padding), names their lengths, and fails
+    before loading anything for an unknown task."""
+    bb = tiny("tiny-llama")
+    monkeypatch.setattr(bench, "load_backbone", lambda name: bb)
+    res = bench.main(["--backbone", "tiny-llama", "--task", "rte", "--repeats", "2", "--warmup", "0",
+                      "--batch-size", "3"])
+    out = capsys.readouterr().out
+    batches = bench.task_batches(bb, "rte", 2, 3, 0)
+    assert res["batch_lengths"] == sorted(m.shape[1] for _, m, _ in batches)
+    assert any(not m.all() for _, m, _ in batches), "length-bucketed batches still carry some padding"
+    assert out.startswith(f"Backbone tiny-llama: rte training batches of 3, padded to {res['batch_lengths'][0]}-")
+    assert all(r["ratio"] > 0 for r in res["rows"])
+    with pytest.raises(SystemExit, match="unknown task 'nope'"):
+        bench.main(["--backbone", "no-such-backbone", "--task", "nope"])
+
+
+def test_losses_read_each_rows_last_real_token(monkeypatch):
+    """With padding on either side, the floor and CaPT losses read the label words at each row's last real
+    token: the same loss as the row scored alone, unpadded."""
+    from capt.scoring import pad
+
+    bb = tiny("tiny-llama")
+    cap = capt.Capsule.for_backbone(bb, seed=0)
+    rows = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    y = torch.tensor([0, 1])
+    alone = [bench.capt_loss(bb, cap, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long), [3, 4], y[i:i + 1])
+             for i, r in enumerate(rows)]
+    floor_alone = [bench.floor_loss(bb, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long), [3, 4],
+                                    y[i:i + 1]) for i, r in enumerate(rows)]
+    for side in ("left", "right"):
+        ids, mask = pad(rows, 0, side)
+        with torch.no_grad():
+            assert torch.allclose(bench.capt_loss(bb, cap, ids, mask, [3, 4], y), sum(alone) / 2, atol=1e-5)
+            assert torch.allclose(bench.floor_loss(bb, ids, mask, [3, 4], y), sum(floor_alone) / 2, atol=1e-5)

@@ -1,10 +1,14 @@
 """Speed benchmark: what one training step and one prediction cost with CaPT, against the floor and PEFT.
 
     python -m train.bench --backbone smollm2-135m [--batch-size 8 --seq-len 128 --repeats 5 --warmup 1]
+    python -m train.bench --backbone smollm2-135m --task rte      # the task's own training batches
 
-Training step = forward + backward + AdamW step (where there are parameters), on the same seeded batches
-of random token ids (batch_size rows of exactly seq_len real tokens, no padding), with one loss for all:
-log-softmax of the LM head at the last position, the two label words picked, cross-entropy (as CaPT).
+Training step = forward + backward + AdamW step (where there are parameters), on the same batches for
+every method, with one loss for all: log-softmax of the LM head at each row's last real token, two label
+words picked, cross-entropy (as CaPT). The batches are either seeded random token ids (batch_size rows of
+exactly seq_len real tokens, no padding: the default) or, with --task, the first batches training builds
+from that task's train split (length-bucketed, padded to each batch's longest row, as `python -m train`
+feeds them; --seq-len is then unused).
     floor              frozen backbone, backward to inputs_embeds only: no method can train for less
     capt               the default capsule (Capsule.for_backbone), through capt.capsule.run
     prompt-tuning-m    PEFT PromptTuning with m = 20, 100 virtual tokens (capt.peft_baselines)
@@ -12,10 +16,10 @@ log-softmax of the LM head at the last position, the two label words picked, cro
   and, to split CaPT's overhead (not compared with the targets):
     floor-plus-1       the floor on the same batches with one more token per row: what the capsule
                        slot's extra position alone costs (the sequence grows from T to T+1)
-    capt-copy          capt with every slot write forced to copy the layer input instead of writing
-                       in place (what capt did before in-place writes): what those save
+    capt-unfused       capt through the general autograd path with copying slot writes (what capt did
+                       before the fused slot node and in-place writes): what those two save
     capt / floor-plus-1  capt's paired ratio to floor-plus-1: the per-layer mean and slot write alone
-Prediction = forward only, no grad, batch 1, seq_len tokens, with and without the capsule.
+Prediction = forward only, no grad, batch 1 (each batch's first row, unpadded), with and without the capsule.
 
 Why round-robin: a shared CPU drifts (another job starts, the clock throttles, caches warm). Timing
 method A for five steps and then method B would put that drift into the A/B ratio; instead round r
@@ -42,8 +46,8 @@ import torch.nn.functional as F
 from capt.backbones import load_backbone
 from capt.capsule import Capsule, build_inputs, run
 from capt.errors import CaptError
-from capt.scoring import lm_logits
-from capt.tasks import custom_task
+from capt.scoring import _last_real, encode_prompts, lm_logits, pad
+from capt.tasks import custom_task, get_task
 
 PEFT_ROWS = [("prompt-tuning", 20), ("prompt-tuning", 100), ("p-tuning-v2", 20), ("p-tuning-v2", 100)]
 TARGETS = {"step": 1.03, "predict": 1.05}  # CaPT step <= 1.03x floor; prediction <= 1.05x without capsule
@@ -80,6 +84,14 @@ def label_loss(logp: torch.Tensor, label_ids: list[int], y: torch.Tensor) -> tor
     return F.cross_entropy(logp[:, label_ids], y)
 
 
+def at_last_real(bb, hidden, index, mask, label_ids, y):
+    """hidden (B, T', d): the LM head at each row's last real token (index maps original positions to
+    hidden's), then the label loss."""
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    h = hidden[rows, index[rows, _last_real(mask)]]
+    return label_loss(torch.log_softmax(lm_logits(bb, h).float(), -1), label_ids, y)
+
+
 def floor_loss(bb, ids, mask, label_ids, y):
     """The frozen backbone with no method: run()'s path without hooks, inputs_embeds requiring grad."""
     inp = build_inputs(bb, None, ids, mask)
@@ -87,21 +99,19 @@ def floor_loss(bb, ids, mask, label_ids, y):
     with bb.lock:
         out = bb.model.model(inputs_embeds=embeds, attention_mask=inp.attention_mask,
                              position_ids=inp.position_ids, use_cache=False)
-    logp = torch.log_softmax(lm_logits(bb, out.last_hidden_state[:, -1]).float(), -1)
-    return label_loss(logp, label_ids, y)
+    return at_last_real(bb, out.last_hidden_state, inp.real_index, mask, label_ids, y)
 
 
 def capt_loss(bb, capsule, ids, mask, label_ids, y):
-    """What capt.scoring.score computes for single-token labels, on token ids (no padding: last = -1)."""
-    out, _ = run(bb, capsule, ids, mask)
-    logp = torch.log_softmax(lm_logits(bb, out.last_hidden_state[:, -1]).float(), -1)
-    return label_loss(logp, label_ids, y)
+    """What capt.scoring.score computes for single-token labels, on token ids."""
+    out, inp = run(bb, capsule, ids, mask)
+    return at_last_real(bb, out.last_hidden_state, inp.real_index, mask, label_ids, y)
 
 
 def peft_loss(method, ids, mask, label_ids, y):
     """PeftMethod's own forward (virtual tokens offset, LM head only at the last real token)."""
     keep = torch.zeros_like(mask, dtype=torch.bool)
-    keep[:, -1] = True
+    keep[torch.arange(mask.shape[0]), _last_real(mask)] = True
     return label_loss(method._log_probs(ids, mask, keep), label_ids, y)
 
 
@@ -111,12 +121,12 @@ def plus_one(batch):
     return torch.cat([ids[:, :1], ids], 1), torch.cat([mask[:, :1], mask], 1), y
 
 
-def copying(step):
-    """step with capt's slot writes forced to copy (capt.capsule._writable says no)."""
-    def run_copying(batch):
-        with mock.patch("capt.capsule._writable", return_value=False):
+def unfused(step):
+    """step with capt's general autograd path (no _AddToSlot) and copying slot writes (_writable says no)."""
+    def run_unfused(batch):
+        with mock.patch("capt.capsule._FUSED", False), mock.patch("capt.capsule._writable", return_value=False):
             step(batch)
-    return run_copying
+    return run_unfused
 
 
 def train_step(loss_fn, params: list):
@@ -139,7 +149,8 @@ def predict_step(bb, capsule):
     @torch.no_grad()
     def step(batch):
         ids, mask, _ = batch
-        out, _ = run(bb, capsule, ids[:1], mask[:1])
+        ids = ids[:1, mask[0].bool()]                      # the first row, unpadded
+        out, _ = run(bb, capsule, ids, torch.ones_like(ids))
         lm_logits(bb, out.last_hidden_state[:, -1])
     return step
 
@@ -160,36 +171,61 @@ def make_batches(bb, n: int, batch_size: int, seq_len: int, seed: int):
     return out
 
 
+def task_batches(bb, task: str, n: int, batch_size: int, seed: int):
+    """The first n batches `python -m train --task <task> --seed <seed>` trains on (epoch 0's length buckets
+    of the 90 % train part), tokenized as capt.scoring does (room kept for 100 virtual tokens, so every
+    method gets the same ids) and padded on the tokenizer's side; y = label index mod 2."""
+    from capt.training import TrainConfig, bucketed_batches, prepare_data
+
+    data = prepare_data(TrainConfig(task=task, backbone=bb.name, seed=seed))
+    rendered = [data.task.render(e, bb.style) for e in data.train]
+    order = bucketed_batches([len(r.prompt) for r in rendered], batch_size, seed, 0)
+    order = [b for b in order if len(b) == batch_size][:n]
+    if len(order) < n:
+        raise CaptError(f"task '{task}' has {len(order)} full batches of {batch_size}; the benchmark needs {n}")
+    out = []
+    for b in order:
+        prompts, _ = encode_prompts(bb, None, [rendered[i].prompt for i in b], reserve=100)
+        ids, mask = pad(prompts, bb.tokenizer.pad_token_id, bb.tokenizer.padding_side)
+        y = torch.tensor([rendered[i].label % 2 for i in b])
+        out.append((ids.to(bb.device), mask.to(bb.device), y.to(bb.device)))
+    return out
+
+
 def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int = 5, warmup: int = 1,
-          seed: int = 0, bb=None) -> dict:
+          seed: int = 0, bb=None, task: str | None = None) -> dict:
     """Run every method round-robin; returns the numbers `format_table` prints (and --json writes)."""
     from capt.peft_baselines import PeftMethod
 
     torch.manual_seed(seed)
+    if task:
+        get_task(task)  # an unknown task fails here, before the backbone loads
     bb = bb or load_backbone(backbone)
     if bb.encoder_decoder:
         raise CaptError("the benchmark covers decoder-only backbones; give e.g. smollm2-135m or tiny-llama")
     if min(batch_size, seq_len, repeats) < 1 or warmup < 0:
         raise CaptError("batch-size, seq-len and repeats must be at least 1, warmup at least 0")
-    task = custom_task("bench", ["text"], {"yes": " yes", "no": " no"})
+    words = custom_task("bench", ["text"], {"yes": " yes", "no": " no"})
     label_ids = [bb.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")]
     capsule = Capsule.for_backbone(bb, seed=seed)
     steps = {"floor": (train_step(lambda i, m, y: floor_loss(bb, i, m, label_ids, y), []), 0),
              "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
                                  list(capsule.parameters())), capsule.n_capsule_params())}
     diagnostic = {"floor-plus-1": lambda b, f=steps["floor"][0]: f(plus_one(b)),
-                  "capt-copy": copying(steps["capt"][0])}
+                  "capt-unfused": unfused(steps["capt"][0])}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         for kind, m in PEFT_ROWS:
-            method = PeftMethod(bb, task, kind, num_virtual_tokens=m, seed=seed)
+            method = PeftMethod(bb, words, kind, num_virtual_tokens=m, seed=seed)
             params = [p for p in method.parameters() if p.requires_grad]
             steps[f"{kind}-{m}"] = (train_step(lambda i, mk, y, me=method: peft_loss(me, i, mk, label_ids, y),
                                                params), method.n_trainable())
         fns = {name: fn for name, (fn, _) in steps.items()}
         fns.update(diagnostic)
         fns.update({"predict": predict_step(bb, None), "predict+capsule": predict_step(bb, capsule)})
-        times = round_robin(fns, make_batches(bb, warmup + repeats, batch_size, seq_len, seed), warmup)
+        batches = (task_batches(bb, task, warmup + repeats, batch_size, seed) if task
+                   else make_batches(bb, warmup + repeats, batch_size, seq_len, seed))
+        times = round_robin(fns, batches, warmup)
     med = {name: statistics.median(t) for name, t in times.items()}
 
     def against(name, base="floor"):
@@ -200,7 +236,9 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     hooks = against("capt", "floor-plus-1")   # the same T+1 tokens on both sides: the per-layer work alone
     pred = against("predict+capsule", "predict")
     pred_ratio = pred["ratio"]
-    return {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats,
+    lengths = sorted(m.shape[1] for _, m, _ in batches[warmup:])  # each timed batch's T
+    return {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
+            "batch_lengths": lengths,
             "warmup": warmup, "threads": torch.get_num_threads(), "rows": rows, "diagnostic": parts,
             "capt_vs_floor_plus_1": hooks["ratio"], "times": times,
             "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred_ratio,
@@ -216,7 +254,13 @@ def paired_ratio(times: list[float], base: list[float]) -> float:
 def format_table(res: dict) -> str:
     ok = lambda b: "PASS" if b else "FAIL"  # noqa: E731
     p, capt_row = res["predict"], res["rows"][1]
-    lines = [f"Backbone {res['backbone']}: batch {res['batch_size']} x {res['seq_len']} tokens, "
+    if res.get("task"):
+        n = res["batch_lengths"]
+        shape = (f"{res['task']} training batches of {res['batch_size']}, padded to {n[0]}-{n[-1]} tokens "
+                 f"(median {statistics.median(n):g})")
+    else:
+        shape = f"batch {res['batch_size']} x {res['seq_len']} tokens"
+    lines = [f"Backbone {res['backbone']}: {shape}, "
              f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup), {res['threads']} threads",
              "", "| name | trainable params | median step s | x floor | x floor (medians) |",
              "|---|---:|---:|---:|---:|"]
@@ -246,10 +290,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", help="time on this task's own training batches (e.g. rte) instead of random ids")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     a = ap.parse_args(argv)
     try:
-        res = bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed)
+        res = bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed, task=a.task)
     except CaptError as e:
         sys.exit(f"error: {e}")
     print(format_table(res))
