@@ -48,8 +48,9 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
         assert float(median) >= 0 and float(ratio) > 0, name
     assert table["floor"][0] == "0" and float(table["floor"][2]) == 1.0
     assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
-    parts = dict(re.findall(r"^\| (floor-plus-1|capt-unfused) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
-    assert list(parts) == ["floor-plus-1", "capt-unfused"] and all(float(v) > 0 for v in parts.values())
+    parts = dict(re.findall(r"^\| (floor-[a-z]+-1|capt-unfused) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
+    assert list(parts) == ["floor-plus-1", "floor-minus-1", "capt-unfused"]
+    assert all(float(v) > 0 for v in parts.values())
     hooks = re.search(r"^capt / floor-plus-1 .*: ([\d.]+)x$", out, re.M)
     assert hooks and float(hooks[1]) > 0
     pred = re.search(r"^\| ratio \| ([\d.]+) \|$", out, re.M)
@@ -99,7 +100,7 @@ def test_round_robin_interleaves():
 
 
 def test_diagnostic_rows_change_only_what_they_say():
-    """floor-plus-1 adds one real token in front of each row; capt-unfused turns off the fused slot node
+    """floor-plus-1 adds one real token in front of each row, floor-minus-1 drops the first; capt-unfused turns off the fused slot node
     and in-place slot writes for the duration of its step only."""
     import capt.capsule as C
 
@@ -108,6 +109,8 @@ def test_diagnostic_rows_change_only_what_they_say():
     ids2, mask2, y2 = bench.plus_one(batch)
     assert ids2.tolist() == [[5, 5, 6, 7], [8, 8, 9, 10]] and mask2.shape == (2, 4) and mask2.all()
     assert y2 is batch[2]
+    ids3, mask3, y3 = bench.minus_one(batch)
+    assert ids3.tolist() == [[6, 7], [9, 10]] and mask3.shape == (2, 2) and y3 is batch[2]
     seen = []
     bench.unfused(lambda b: seen.append((C._FUSED, C._writable(torch.zeros(2)))))(batch)
     assert seen == [(False, False)] and C._FUSED and C._writable(torch.zeros(2))

@@ -16,6 +16,8 @@ feeds them; --seq-len is then unused).
   and, to split CaPT's overhead (not compared with the targets):
     floor-plus-1       the floor on the same batches with one more token per row: what the capsule
                        slot's extra position alone costs (the sequence grows from T to T+1)
+    floor-minus-1      the floor with each row's first token dropped (T-1 tokens): with floor-plus-1,
+                       whether T itself is a fast shape for the kernels (then both neighbours cost more)
     capt-unfused       capt through the general autograd path with copying slot writes (what capt did
                        before the fused slot node and in-place writes): what those two save
     capt / floor-plus-1  capt's paired ratio to floor-plus-1: the per-layer mean and slot write alone
@@ -121,6 +123,12 @@ def plus_one(batch):
     return torch.cat([ids[:, :1], ids], 1), torch.cat([mask[:, :1], mask], 1), y
 
 
+def minus_one(batch):
+    """The same rows without their first token: T-1 tokens."""
+    ids, mask, y = batch
+    return ids[:, 1:], mask[:, 1:], y
+
+
 def unfused(step):
     """step with capt's general autograd path (no _AddToSlot) and copying slot writes (_writable says no)."""
     def run_unfused(batch):
@@ -212,6 +220,7 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
              "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
                                  list(capsule.parameters())), capsule.n_capsule_params())}
     diagnostic = {"floor-plus-1": lambda b, f=steps["floor"][0]: f(plus_one(b)),
+                  "floor-minus-1": lambda b, f=steps["floor"][0]: f(minus_one(b)),
                   "capt-unfused": unfused(steps["capt"][0])}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
