@@ -160,3 +160,29 @@ def test_losses_read_each_rows_last_real_token(monkeypatch):
         with torch.no_grad():
             assert torch.allclose(bench.capt_loss(bb, cap, ids, mask, [3, 4], y), sum(alone) / 2, atol=1e-5)
             assert torch.allclose(bench.floor_loss(bb, ids, mask, [3, 4], y), sum(floor_alone) / 2, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monkeypatch):
+    """--pool re-reads --json runs: each round stays paired with its own floor, repeats add up, and runs
+    of another set-up are refused by name."""
+    bb = tiny("tiny-llama")
+    monkeypatch.setattr(bench, "load_backbone", lambda name: bb)
+    args = ["--backbone", "tiny-llama", "--repeats", "2", "--warmup", "0", "--seq-len", "8", "--batch-size", "2"]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    runs = [bench.main(args + ["--json", str(p)]) for p in paths]
+    capsys.readouterr()
+    pooled = bench.main(["--pool", *map(str, paths)])
+    out = capsys.readouterr().out
+    assert out.startswith("Backbone tiny-llama: batch 2 x 8 tokens, 4 round-robin rounds pooled from 2 runs")
+    assert pooled["repeats"] == 4 and pooled["pooled"] == [str(p) for p in paths]
+    floor = runs[0]["times"]["floor"] + runs[1]["times"]["floor"]
+    capt_times = runs[0]["times"]["capt"] + runs[1]["times"]["capt"]
+    assert pooled["rows"][1]["ratio"] == pytest.approx(bench.paired_ratio(capt_times, floor))
+    assert [r["trainable"] for r in pooled["rows"]] == [r["trainable"] for r in runs[0]["rows"]]
+    other = tmp_path / "c.json"
+    bench.main(args[:-2] + ["--batch-size", "3", "--json", str(other)])
+    with pytest.raises(SystemExit, match="c.json is not a run of the same benchmark"):
+        bench.main(["--pool", str(paths[0]), str(other)])
+    with pytest.raises(SystemExit, match="cannot read benchmark results"):
+        bench.main(["--pool", str(tmp_path / "missing.json")])

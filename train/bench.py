@@ -2,6 +2,7 @@
 
     python -m train.bench --backbone smollm2-135m [--batch-size 8 --seq-len 128 --repeats 5 --warmup 1]
     python -m train.bench --backbone smollm2-135m --task rte      # the task's own training batches
+    python -m train.bench --pool runs/b1.json runs/b2.json         # several --json runs' rounds as one
 
 Training step = forward + backward + AdamW step (where there are parameters), on the same batches for
 every method, with one loss for all: log-softmax of the LM head at each row's last real token, two label
@@ -235,24 +236,51 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
         batches = (task_batches(bb, task, warmup + repeats, batch_size, seed) if task
                    else make_batches(bb, warmup + repeats, batch_size, seq_len, seed))
         times = round_robin(fns, batches, warmup)
+    meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
+            "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
+            "warmup": warmup, "threads": torch.get_num_threads()}
+    return summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
+
+
+def summarize(times: dict[str, list[float]], trainable: dict[str, int], diagnostic: list[str], meta: dict) -> dict:
+    """Every printed number from the per-round times (what --json keeps, so a run can be re-read)."""
     med = {name: statistics.median(t) for name, t in times.items()}
 
     def against(name, base="floor"):
         return {"median_s": med[name], "ratio": paired_ratio(times[name], times[base]),
                 "ratio_of_medians": med[name] / med[base]}
-    rows = [{"name": name, "trainable": n, **against(name)} for name, (_, n) in steps.items()]
+    rows = [{"name": name, "trainable": n, **against(name)} for name, n in trainable.items()]
     parts = [{"name": name, **against(name)} for name in diagnostic]
     hooks = against("capt", "floor-plus-1")   # the same T+1 tokens on both sides: the per-layer work alone
     pred = against("predict+capsule", "predict")
-    pred_ratio = pred["ratio"]
-    lengths = sorted(m.shape[1] for _, m, _ in batches[warmup:])  # each timed batch's T
-    return {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
-            "batch_lengths": lengths,
-            "warmup": warmup, "threads": torch.get_num_threads(), "rows": rows, "diagnostic": parts,
-            "capt_vs_floor_plus_1": hooks["ratio"], "times": times,
-            "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred_ratio,
+    return {**meta, "rows": rows, "diagnostic": parts, "capt_vs_floor_plus_1": hooks["ratio"], "times": times,
+            "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred["ratio"],
                         "ratio_of_medians": pred["ratio_of_medians"]},
-            "targets": {"capt_step": rows[1]["ratio"] <= TARGETS["step"], "predict": pred_ratio <= TARGETS["predict"]}}
+            "targets": {"capt_step": rows[1]["ratio"] <= TARGETS["step"], "predict": pred["ratio"] <= TARGETS["predict"]}}
+
+
+def pool(paths: list[Path]) -> dict:
+    """Several --json runs of the same set-up as one: their rounds side by side (each round stays paired
+    with its own floor), so the paired ratios rest on every round of every run."""
+    runs = []
+    for path in paths:
+        try:
+            runs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise CaptError(f"cannot read benchmark results {path}: {e}") from e
+    same = ("backbone", "batch_size", "seq_len", "task", "threads")
+    for path, r in zip(paths[1:], runs[1:]):
+        if "times" not in r or [r.get(k) for k in same] != [runs[0].get(k) for k in same] \
+                or list(r["times"]) != list(runs[0]["times"]):
+            raise CaptError(f"{path} is not a run of the same benchmark as {paths[0]} (pool only runs with the "
+                            f"same {', '.join(same)} and rows, made by the same version of train.bench)")
+    first = runs[0]
+    times = {name: [t for r in runs for t in r["times"][name]] for name in first["times"]}
+    meta = {k: first.get(k) for k in ("backbone", "batch_size", "seq_len", "task", "warmup", "threads")}
+    meta.update(repeats=sum(r["repeats"] for r in runs), pooled=[str(p) for p in paths],
+                batch_lengths=sorted(n for r in runs for n in r.get("batch_lengths", [])))
+    return summarize(times, {r["name"]: r["trainable"] for r in first["rows"]},
+                     [r["name"] for r in first["diagnostic"]], meta)
 
 
 def paired_ratio(times: list[float], base: list[float]) -> float:
@@ -269,8 +297,9 @@ def format_table(res: dict) -> str:
                  f"(median {statistics.median(n):g})")
     else:
         shape = f"batch {res['batch_size']} x {res['seq_len']} tokens"
-    lines = [f"Backbone {res['backbone']}: {shape}, "
-             f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup), {res['threads']} threads",
+    rounds = (f"{res['repeats']} round-robin rounds pooled from {len(res['pooled'])} runs" if res.get("pooled")
+              else f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup)")
+    lines = [f"Backbone {res['backbone']}: {shape}, {rounds}, {res['threads']} threads",
              "", "| name | trainable params | median step s | x floor | x floor (medians) |",
              "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | "
@@ -301,9 +330,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task", help="time on this task's own training batches (e.g. rte) instead of random ids")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
+    ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                    help="run nothing: print the table for these --json runs' rounds taken together")
     a = ap.parse_args(argv)
     try:
-        res = bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed, task=a.task)
+        res = pool(a.pool) if a.pool else bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed, task=a.task)
     except CaptError as e:
         sys.exit(f"error: {e}")
     print(format_table(res))
