@@ -87,11 +87,7 @@ class Capsule(nn.Module):
         records every write, so scores and gradients are the same (tested).
         """
         w = self.weight[j].to(h.dtype)                                   # (d,)
-        if _FUSED and self.config.fusion == "add" and self.config.placement == "slot" and not call.pool_onehot:
-            # the defaults: one autograd node per layer (see _AddToSlot); same numbers as the general path
-            return _AddToSlot.apply(h if _writable(h) else h.clone(), w, call.mean_weights(h), call.rows(h),
-                                    call.slot_index[0])
-        rows = call.rows(h)
+        rows = torch.arange(h.shape[0], device=h.device)
         put = torch.Tensor.index_put_ if _writable(h) else torch.Tensor.index_put
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
@@ -120,38 +116,6 @@ class Capsule(nn.Module):
         if self.config.placement == "inplace":                            # add onto the first real token
             return put(h, where, capsule, accumulate=True)
         return put(h, where, capsule)
-
-
-class _AddToSlot(torch.autograd.Function):
-    """h[b, slot[b]] = w + sum_t a[b, t] h[b, t] in place (a = mean weights: mask / count), as one node.
-
-    Plain autograd records the same write as a matrix product for the mean and an index_put, whose
-    backwards each make a (B, T, d) tensor that the engine then adds up: three full passes per layer.
-    Here the gradient of h is one fused pass, g + a (x) g_slot, with the slot rows then set to
-    a_slot * g_slot (they were overwritten). Tested equal to the general path, gradients included.
-    """
-
-    @staticmethod
-    def forward(ctx, h, w, a, rows, slot):
-        mean = (a[:, None, :] @ h).squeeze(1)                           # (B, d)
-        h.index_put_((rows, slot), w + mean)
-        ctx.mark_dirty(h)
-        ctx.save_for_backward(a, rows, slot)
-        return h
-
-    @staticmethod
-    def backward(ctx, g):
-        a, rows, slot = ctx.saved_tensors
-        g_slot = g[rows, slot]                                           # (B, d): dL/dc
-        g_h = None
-        if ctx.needs_input_grad[0]:
-            g_h = torch.baddbmm(g, a[:, :, None], g_slot[:, None, :])    # g + a_t * dL/dc at every t
-            g_h[rows, slot] = a[rows, slot, None] * g_slot               # the slot's own value was replaced
-        g_w = g_slot.sum(0) if ctx.needs_input_grad[1] else None
-        return g_h, g_w, None, None, None
-
-
-_FUSED = True  # tests switch it off to compare _AddToSlot with the general path
 
 
 # Ops whose backward does not read their own output: a layer output they produced may be overwritten in
@@ -200,22 +164,6 @@ class CallState:
 
     def __post_init__(self) -> None:   # per slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]
-        self._cache: dict = {}
-
-    def rows(self, h: torch.Tensor) -> torch.Tensor:
-        """(B,) 0..B-1 on h's device, made once per call rather than once per layer."""
-        key = ("rows", h.device)
-        if key not in self._cache:
-            self._cache[key] = torch.arange(h.shape[0], device=h.device)
-        return self._cache[key]
-
-    def mean_weights(self, h: torch.Tensor) -> torch.Tensor:
-        """(B, T') mean_mask / its row count in h's dtype: the instance mean as a weighted sum."""
-        key = ("mean", h.device, h.dtype)
-        if key not in self._cache:
-            m = self.mean_mask.to(device=h.device, dtype=torch.float32)
-            self._cache[key] = (m / m.sum(1, keepdim=True).clamp(min=1)).to(h.dtype)
-        return self._cache[key]
 
 
 @dataclass

@@ -219,49 +219,6 @@ def test_in_place_slot_writes_give_the_copys_scores_and_gradients(backbone, opti
         assert torch.allclose(g1[name], g2[name], atol=1e-6, rtol=1e-5), name
 
 
-@pytest.mark.parametrize("option", ["default", "odd", "latter_half", "linear"])
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_fused_slot_write_equals_the_general_path(backbone, option, side, monkeypatch):
-    """The defaults' one-node write (_AddToSlot) gives the general autograd path's scores and gradients
-    (in place and copying), whatever the padding side and with layers that carry no capsule."""
-    import capt.capsule as C
-
-    cap = random_capsule(backbone, **OPTIONS[option])
-    rendered = _rendered(backbone)
-    y = torch.tensor([0, 1, 0])
-    monkeypatch.setattr(backbone.tokenizer, "padding_side", side)
-    results = {}
-    for fused in (True, False):
-        for writable in (True, False):
-            monkeypatch.setattr(C, "_FUSED", fused)
-            monkeypatch.setattr(C, "_writable", (lambda h, f=C._writable: f(h)) if writable else (lambda h: False))
-            cap.zero_grad(set_to_none=True)
-            logits = score(backbone, cap, rendered).logits
-            torch.nn.functional.cross_entropy(logits, y).backward()
-            results[fused, writable] = (logits.detach(), {n: q.grad.clone() for n, q in cap.named_parameters()})
-    base_logits, base_grads = results[False, False]
-    for key, (logits, grads) in results.items():
-        assert torch.allclose(logits, base_logits, atol=1e-6), key
-        for name in grads:
-            assert torch.allclose(grads[name], base_grads[name], atol=1e-6, rtol=1e-5), (key, name)
-
-
-def test_fused_slot_write_gradcheck():
-    """_AddToSlot's hand-written backward against finite differences (float64), with padding in the mean
-    weights and the slot at a different position in each row."""
-    from capt.capsule import _AddToSlot
-
-    g = torch.Generator().manual_seed(0)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.float64)
-    a = mask / mask.sum(1, keepdim=True)
-    rows, slot = torch.arange(3), torch.tensor([0, 1, 3])
-    h = torch.randn(3, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda h, w: _AddToSlot.apply(h * 1.0, w, a, rows, slot), (h, w))
-    out = _AddToSlot.apply(h.detach().clone(), w.detach(), a, rows, slot)
-    assert torch.allclose(out[rows, slot], w + (a[:, :, None] * h).sum(1))
-
-
 def test_writable_refuses_views_and_outputs_their_op_saves():
     from capt.capsule import _writable
 
