@@ -110,8 +110,8 @@ class Capsule(nn.Module):
                 return put(h, (rows, call.slot_index[1]), w.expand_as(mean))
             capsule = w + mean
         # One write at one position per row (torch.where over the whole (B, T, d) would cost two more full
-        # passes per layer). In place it also skips a copy of h per layer; train.bench's capt-copy row
-        # measures that: between -1.7 % and +3.9 % of a SmolLM2 step over five runs (run-to-run noise).
+        # passes per layer). In place it also skips a copy of h per layer: between -1.7 % and +3.9 % of a
+        # SmolLM2 step over five train.bench runs (run-to-run noise; README, Speed).
         where = (rows, call.slot_index[0])
         if self.config.placement == "inplace":                            # add onto the first real token
             return put(h, where, capsule, accumulate=True)

@@ -48,11 +48,13 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
         assert float(median) >= 0 and float(ratio) > 0, name
     assert table["floor"][0] == "0" and float(table["floor"][2]) == 1.0
     assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
-    parts = dict(re.findall(r"^\| (floor-[a-z]+-1|capt-unfused) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
-    assert list(parts) == ["floor-plus-1", "floor-minus-1", "capt-unfused"]
+    parts = dict(re.findall(r"^\| (floor-[a-z]+-1|capt-layer0) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
+    assert list(parts) == ["floor-plus-1", "floor-minus-1", "capt-layer0"]
     assert all(float(v) > 0 for v in parts.values())
     hooks = re.search(r"^capt / floor-plus-1 .*: ([\d.]+)x$", out, re.M)
     assert hooks and float(hooks[1]) > 0
+    layers = re.search(r"^capt / capt-layer0 .*: ([\d.]+)x$", out, re.M)
+    assert layers and float(layers[1]) > 0
     pred = re.search(r"^\| ratio \| ([\d.]+) \|$", out, re.M)
     assert pred and float(pred[1]) > 0
     assert "CaPT step <= 1.03x floor: " in out and "prediction with capsule <= 1.05x without: " in out
@@ -71,6 +73,8 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
     assert math.isclose(float(pred[1]), saved["predict"]["ratio"], abs_tol=6e-4)
     assert math.isclose(saved["capt_vs_floor_plus_1"], bench.paired_ratio(saved["times"]["capt"],
                                                                           saved["times"]["floor-plus-1"]))
+    assert math.isclose(saved["capt_vs_capt_layer0"], bench.paired_ratio(saved["times"]["capt"],
+                                                                         saved["times"]["capt-layer0"]))
     for r in saved["diagnostic"]:
         assert math.isclose(float(parts[r["name"]]), r["ratio"], abs_tol=6e-4)
         assert len(saved["times"][r["name"]]) == 2
@@ -100,10 +104,7 @@ def test_round_robin_interleaves():
 
 
 def test_diagnostic_rows_change_only_what_they_say():
-    """floor-plus-1 adds one real token in front of each row, floor-minus-1 drops the first; capt-unfused turns off the fused slot node
-    and in-place slot writes for the duration of its step only."""
-    import capt.capsule as C
-
+    """floor-plus-1 adds one real token in front of each row, floor-minus-1 drops the first."""
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     batch = (ids, torch.ones_like(ids), torch.tensor([0, 1]))
     ids2, mask2, y2 = bench.plus_one(batch)
@@ -111,9 +112,6 @@ def test_diagnostic_rows_change_only_what_they_say():
     assert y2 is batch[2]
     ids3, mask3, y3 = bench.minus_one(batch)
     assert ids3.tolist() == [[6, 7], [9, 10]] and mask3.shape == (2, 2) and y3 is batch[2]
-    seen = []
-    bench.unfused(lambda b: seen.append((C._FUSED, C._writable(torch.zeros(2)))))(batch)
-    assert seen == [(False, False)] and C._FUSED and C._writable(torch.zeros(2))
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():

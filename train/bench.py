@@ -19,9 +19,11 @@ feeds them; --seq-len is then unused).
                        slot's extra position alone costs (the sequence grows from T to T+1)
     floor-minus-1      the floor with each row's first token dropped (T-1 tokens): with floor-plus-1,
                        whether T itself is a fast shape for the kernels (then both neighbours cost more)
-    capt-unfused       capt through the general autograd path with copying slot writes (what capt did
-                       before the fused slot node and in-place writes): what those two save
-    capt / floor-plus-1  capt's paired ratio to floor-plus-1: the per-layer mean and slot write alone
+    capt-layer0        capt with a capsule at layer 0 only: the slot, build_inputs, one hook and the
+                       optimizer, without the other layers' work (with floor-plus-1 and capt, it splits
+                       CaPT's extra time into the extra token, the fixed cost and the per-layer work)
+    capt / floor-plus-1  capt's paired ratio to floor-plus-1: the capsule's work without the extra token
+    capt / capt-layer0   the per-layer mean and slot write of layers 1..L-1 alone
 Prediction = forward only, no grad, batch 1 (each batch's first row, unpadded), with and without the capsule.
 
 Why round-robin: a shared CPU drifts (another job starts, the clock throttles, caches warm). Timing
@@ -41,13 +43,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from capt.backbones import load_backbone
 from capt.capsule import Capsule, build_inputs, run
+from capt.config import CapsuleConfig
 from capt.errors import CaptError
 from capt.scoring import _last_real, encode_prompts, lm_logits, pad
 from capt.tasks import custom_task, get_task
@@ -130,14 +132,6 @@ def minus_one(batch):
     return ids[:, 1:], mask[:, 1:], y
 
 
-def unfused(step):
-    """step with capt's general autograd path (no _AddToSlot) and copying slot writes (_writable says no)."""
-    def run_unfused(batch):
-        with mock.patch("capt.capsule._FUSED", False), mock.patch("capt.capsule._writable", return_value=False):
-            step(batch)
-    return run_unfused
-
-
 def train_step(loss_fn, params: list):
     """forward + backward (+ AdamW step when there are parameters) as one callable on a batch."""
     opt = torch.optim.AdamW(params, lr=1e-3) if params else None
@@ -217,12 +211,14 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     words = custom_task("bench", ["text"], {"yes": " yes", "no": " no"})
     label_ids = [bb.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")]
     capsule = Capsule.for_backbone(bb, seed=seed)
+    layer0 = Capsule.for_backbone(bb, CapsuleConfig(layers=[0]), seed=seed)
     steps = {"floor": (train_step(lambda i, m, y: floor_loss(bb, i, m, label_ids, y), []), 0),
              "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
                                  list(capsule.parameters())), capsule.n_capsule_params())}
     diagnostic = {"floor-plus-1": lambda b, f=steps["floor"][0]: f(plus_one(b)),
                   "floor-minus-1": lambda b, f=steps["floor"][0]: f(minus_one(b)),
-                  "capt-unfused": unfused(steps["capt"][0])}
+                  "capt-layer0": train_step(lambda i, m, y: capt_loss(bb, layer0, i, m, label_ids, y),
+                                            list(layer0.parameters()))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         for kind, m in PEFT_ROWS:
@@ -251,9 +247,10 @@ def summarize(times: dict[str, list[float]], trainable: dict[str, int], diagnost
                 "ratio_of_medians": med[name] / med[base]}
     rows = [{"name": name, "trainable": n, **against(name)} for name, n in trainable.items()]
     parts = [{"name": name, **against(name)} for name in diagnostic]
-    hooks = against("capt", "floor-plus-1")   # the same T+1 tokens on both sides: the per-layer work alone
+    hooks = against("capt", "floor-plus-1")   # the same T+1 tokens on both sides: the capsule's work alone
     pred = against("predict+capsule", "predict")
-    return {**meta, "rows": rows, "diagnostic": parts, "capt_vs_floor_plus_1": hooks["ratio"], "times": times,
+    return {**meta, "rows": rows, "diagnostic": parts, "capt_vs_floor_plus_1": hooks["ratio"],
+            "capt_vs_capt_layer0": paired_ratio(times["capt"], times["capt-layer0"]), "times": times,
             "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred["ratio"],
                         "ratio_of_medians": pred["ratio_of_medians"]},
             "targets": {"capt_step": rows[1]["ratio"] <= TARGETS["step"], "predict": pred["ratio"] <= TARGETS["predict"]}}
@@ -308,8 +305,8 @@ def format_table(res: dict) -> str:
               "|---|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['median_s']:.4f} | {r['ratio']:.3f} | {r['ratio_of_medians']:.3f} |"
               for r in res["diagnostic"]]
-    lines += ["", f"capt / floor-plus-1 (the capsule's per-layer work alone, same T+1 tokens): "
-              f"{res['capt_vs_floor_plus_1']:.3f}x"]
+    lines += ["", f"capt / floor-plus-1 (the capsule's work alone, same T+1 tokens): {res['capt_vs_floor_plus_1']:.3f}x",
+              f"capt / capt-layer0 (the per-layer work of layers 1..L-1): {res['capt_vs_capt_layer0']:.3f}x"]
     lines += ["", "| prediction (batch 1) | median s |", "|---|---:|",
               f"| without capsule | {p['without_s']:.4f} |", f"| with capsule | {p['with_s']:.4f} |",
               f"| ratio | {p['ratio']:.3f} |", f"| ratio (medians) | {p['ratio_of_medians']:.3f} |", "",
