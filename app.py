@@ -1,8 +1,11 @@
 """CaPT Playground: predict with a capsule, see its attention anchor, train one. `python app.py` serves it offline.
 
 Handlers are plain functions calling `capt` (no Gradio inside); `build_demo()` only lays out and wires them."""
+import functools
+import inspect
 import json
 import os
+import queue
 import random
 import shutil
 import tempfile
@@ -10,6 +13,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
+
+import torch
 
 import capt
 from capt import CaptError, viz
@@ -26,6 +31,7 @@ try:   # Hugging Face ZeroGPU Spaces: a GPU is lent per call of a function decor
     GPU = spaces.GPU
 except ImportError:   # locally and on CPU Spaces: plain calls
     GPU = None
+MAIN_PID = os.getpid()
 
 SHIPPED = Path(__file__).resolve().parent / "capsules"
 WORK_DIR = Path(os.environ.get("CAPT_APP_DIR", Path(tempfile.gettempdir()) / "capt-app"))
@@ -52,7 +58,30 @@ capsule = c.predict(backbone="smollm2-135m", task="cb", preset="quick: 20 steps"
 fig, report, error = c.predict(capsule=capsule, task="cb", premise="It rained.", hypothesis="Wet.", api_name="/predict")
 ```"""
 _MODELS, _LOCK = {}, threading.Lock()      # name -> Backbone, read-only once loaded: capsules attach per call
-_STOPS: dict[str, threading.Event] = {}     # session id -> the stop flag of the training it runs
+_STOPS: dict[str, "StopFile"] = {}          # session id -> the stop flag of the training it runs
+
+
+class StopFile:
+    """A stop flag that also reaches another process: ZeroGPU runs each GPU call in a forked worker and pickles
+    its arguments there (a threading.Event cannot be pickled). set() creates the file; train() polls is_set()
+    once a step (one stat call)."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+
+    def set(self) -> None:
+        Path(self.path).touch()
+
+    def is_set(self) -> bool:
+        return os.path.exists(self.path)
+
+
+class _Either:   # stop when either flag is set
+    def __init__(self, *flags):
+        self.flags = flags
+
+    def is_set(self) -> bool:
+        return any(f.is_set() for f in self.flags)
 
 
 def get_backbone(name: str) -> capt.Backbone:
@@ -324,14 +353,14 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
     except Exception as e:
         yield {**state, "error": viz.error_message(e)}
         return
-    stop, curves = threading.Event(), viz.TrainingCurves()
+    stop, curves = StopFile(session_dir(session) / f"stop-{uuid.uuid4().hex}"), viz.TrainingCurves()
     _STOPS[session_id] = stop
 
     def work(emit):   # in a thread: each event also feeds the curves
         emit({"kind": "info", "text": "checking the data…"})
         prepare_data(cfg)   # a bad file fails here, before any backbone is loaded
         emit({"kind": "info", "text": f"loading backbone {cfg.backbone}, then training…"})
-        bb = get_backbone(cfg.backbone)
+        bb = get_backbone(cfg.backbone)   # in the main process: a ZeroGPU worker forked after this inherits it
         emit({"kind": "finished", "summary": run_training(cfg, bb, emit, stop)})
 
     try:
@@ -347,23 +376,68 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
         _STOPS.pop(session_id, None)
 
 
-def train_chunk(cfg: TrainConfig, resume: bool, emit, stop: threading.Event) -> dict:
+def train_chunk(cfg: TrainConfig, resume: bool, stop: StopFile):
     """One time-boxed piece of a run (cfg.max_minutes is the run's clock at its end), resuming from the
-    checkpoint of the previous piece."""
-    return train(cfg, get_backbone(cfg.backbone), callback=emit, stop=stop, resume=resume, progress=False)
+    checkpoint of the previous piece. A generator of the train callback's events, ending with
+    {"kind": "chunk", "summary"} or {"kind": "error", "text"}: ZeroGPU runs it in a worker process and
+    streams its yields back (a callback could not reach the page from there; every argument and event is
+    pickled on the way, so all are plain data)."""
+    events, gone = queue.Queue(), threading.Event()
+
+    def run():
+        try:
+            summary = train(cfg, get_backbone(cfg.backbone), callback=events.put, stop=_Either(stop, gone),
+                            resume=resume, progress=False)
+            events.put({"kind": "chunk", "summary": summary})
+        except Exception as e:
+            events.put({"kind": "error", "text": viz.error_message(e)})
+
+    threading.Thread(target=run, daemon=True, name="capt-training-chunk").start()
+    try:
+        while (event := events.get())["kind"] not in ("chunk", "error"):
+            yield event
+        yield event
+    finally:
+        gone.set()   # closed early (the page went away): the run ends within one step
+
+
+def on_gpu(duration: int, fn, gpu=None):
+    """spaces.GPU(duration=...)(fn): ZeroGPU runs each call in a worker process forked from this one. There,
+    torch first drops to one CPU thread: a fork inherits OpenMP's thread pool in a state the child cannot use,
+    and its first multi-threaded CPU operation would hang for good (the GPU does the work there anyway)."""
+    def one_thread_if_forked():
+        if os.getpid() != MAIN_PID:
+            torch.set_num_threads(1)
+    if inspect.isgeneratorfunction(fn):   # spaces streams a generator's yields: keep it one
+        def body(*args, **kwargs):
+            one_thread_if_forked()
+            yield from fn(*args, **kwargs)
+    else:
+        def body(*args, **kwargs):
+            one_thread_if_forked()
+            return fn(*args, **kwargs)
+    return (gpu or GPU)(duration=duration)(functools.wraps(fn)(body))
 
 
 # ZeroGPU lends a GPU for one decorated call at a time (decorated once, at import, as it requires)
-gpu_train_chunk = GPU(duration=GPU_CHUNK_S + 60)(train_chunk) if GPU else None   # + the chunk's test evaluation
+gpu_train_chunk = on_gpu(GPU_CHUNK_S + 60, train_chunk) if GPU else None   # + the chunk's test evaluation
 
 
-def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: threading.Event) -> dict:
+def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: StopFile) -> dict:
     """capt.training.train; on ZeroGPU the same run in chunks of GPU_CHUNK_S seconds of training, each a GPU call
     that resumes from the checkpoint the previous one left (capt.training.train_in_chunks)."""
     if gpu_train_chunk is None:
         return train(cfg, bb, callback=emit, stop=stop, progress=False)
-    return train_in_chunks(cfg, lambda chunk, resume: gpu_train_chunk(chunk, resume, emit, stop), GPU_CHUNK_S,
-                           callback=emit)
+
+    def chunk(chunk_cfg: TrainConfig, resume: bool) -> dict:
+        for event in gpu_train_chunk(chunk_cfg, resume, stop):
+            if event["kind"] == "chunk":
+                return event["summary"]
+            if event["kind"] == "error":
+                raise CaptError(event["text"])
+            emit(event)
+        raise CaptError("the GPU call ended before its training chunk did (ZeroGPU aborted it); try again")
+    return train_in_chunks(cfg, chunk, GPU_CHUNK_S, callback=emit)
 
 
 def _finish(summary: dict, session: dict) -> dict:
@@ -393,7 +467,7 @@ def _finish(summary: dict, session: dict) -> dict:
 
 
 if GPU is not None:   # ZeroGPU: each prediction / attention / probe call holds a GPU while it runs
-    predict_view, attention_view, probe_view = (GPU(duration=d)(f) for f, d in (
+    predict_view, attention_view, probe_view = (on_gpu(d, f) for f, d in (
         (predict_view, 60), (attention_view, 60), (probe_view, 120)))
 
 

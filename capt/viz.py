@@ -8,6 +8,7 @@ events) and returns a `plotly.graph_objects.Figure` or text; nothing here knows 
 """
 from __future__ import annotations
 
+import contextvars
 import math
 import queue
 import sys
@@ -281,7 +282,8 @@ class TrainingCurves:
             except Exception as e:
                 events.put({"kind": "error", "text": on_error(e)})
 
-        threading.Thread(target=run, daemon=True, name="capt-training").start()
+        # in the caller's context: ZeroGPU's spaces.GPU reads the Gradio request (whose quota) from a contextvar
+        threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True, name="capt-training").start()
         yield from self.follow(events, every)
 
     def follow(self, events: queue.Queue, every: float = 0.5, poll: float = 0.25):

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 import app  # noqa: E402
+import fake_zerogpu  # noqa: E402
 import capt  # noqa: E402
 
 BB = "tiny-llama"
@@ -287,25 +288,86 @@ def test_a_baseline_trains_on_the_same_data_and_joins_the_comparison(trained, tm
         "error"]
 
 
-def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
-    """With `spaces` present, training runs as several GPU calls that each resume the run: the chunks together
-    take exactly the steps of one uninterrupted run and end with its capsule."""
-    calls = []
+def zerogpu_chunks(monkeypatch, calls):
+    """Training as on a ZeroGPU Space: each chunk a call of spaces.GPU(train_chunk) in a forked worker process,
+    its arguments and events pickled (tests/fake_zerogpu.py); calls gets (budget in minutes, resume) per chunk."""
+    gpu = app.on_gpu(60, app.train_chunk, gpu=fake_zerogpu.GPU)
 
-    def fake_gpu_chunk(cfg, resume, emit, stop):   # stands in for spaces.GPU(train_chunk)
+    def chunk(cfg, resume, stop):
         calls.append((cfg.max_minutes, resume))
-        return app.train_chunk(cfg, resume, emit, stop)
+        yield from gpu(cfg, resume, stop)
+    monkeypatch.setattr(app, "gpu_train_chunk", chunk)
 
-    monkeypatch.setattr(app, "gpu_train_chunk", fake_gpu_chunk)
+
+def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
+    """With `spaces` present, training runs as several GPU calls, each in its own worker process, that each
+    resume the run: the chunks together take exactly the steps of one uninterrupted run and end with its
+    capsule, and the page sees every step's event."""
+    calls = []
+    zerogpu_chunks(monkeypatch, calls)
     monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after about one step
     session = new_session(tmp_path)
-    last = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="zero", max_steps=6,
-                              batch_size=2))[-1]
+    states = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="zero", max_steps=6, batch_size=2))
+    last = states[-1]
     assert last["error"] == "" and "**Done** (max_steps): 6 steps" in last["progress"]
     assert len(calls) > 1 and calls[0][1] is False and all(resume for _, resume in calls[1:])
     assert [budget for budget, _ in calls] == pytest.approx([k * 0.05 / 60 for k in range(1, len(calls) + 1)])
     steps = [json.loads(line) for line in open(os.path.join(os.path.dirname(last["capsule"]), "metrics.jsonl"))]
     assert [e["step"] for e in steps if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]   # no step twice, none lost
+    assert len(last["loss"].data[0].x) == 6   # the curves got the worker's step events
+    assert app.predict_view(BB, last["capsule"], "cb", session=session, **CB)[-1] == ""
+
+
+def test_zerogpu_stop_and_errors_cross_the_process(tmp_path, monkeypatch):
+    """Stop pressed in the page reaches the training in the GPU worker (within one step, best capsule kept);
+    an error raised there reaches the page with its own message, not just its class name."""
+    zerogpu_chunks(monkeypatch, [])
+    session = new_session(tmp_path)
+    run = app.train_run(BB, "cb", "quick: 20 steps", session, session_id="zero-stop", max_steps=5000, batch_size=2)
+    for state in run:
+        if "step 2" in state["progress"] or "step 3" in state["progress"]:
+            assert "Stopping" in app.stop_training("zero-stop")
+            break
+    last = list(run)[-1]
+    assert last["error"] == "" and "(stop requested)" in last["progress"] and last["capsule"]
+
+    def broken(*args, **kwargs):
+        raise capt.CaptError("the checkpoint in runs/x was written by another run")
+    monkeypatch.setattr(app, "train", broken)   # inherited by the worker process at its fork
+    last = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="zero-err", max_steps=2))[-1]
+    assert "the checkpoint in runs/x was written by another run" in last["error"]
+
+
+def test_zerogpu_views_take_and_return_plain_data(trained):
+    """Predict, attention and probe as ZeroGPU calls (forked worker, pickled arguments and results) give what
+    the plain calls give."""
+    session, states = trained
+    capsule = states[-1]["capsule"]
+    for view, kwargs in ((app.predict_view, CB), (app.attention_view, dict(layer=1, head=0, **CB)),
+                         (app.probe_view, dict(n_examples=8, ks=[1, 2]))):
+        here = view(BB, capsule, "cb", session=session, **kwargs)
+        there = app.on_gpu(60, view, gpu=fake_zerogpu.GPU)(BB, capsule, "cb", session=session, **kwargs)
+        assert here[-1] == there[-1] == "" and here[-2] == there[-2]   # no error; the same report
+        data = lambda figs: [None if f is None else f.to_dict()["data"] for f in figs]   # noqa: E731
+        assert data(here[:-2]) == data(there[:-2])
+
+
+def test_zerogpu_worker_runs_after_the_main_process_used_several_threads():
+    """A worker forked after torch ran a multi-threaded CPU operation here would hang in its first one (OpenMP's
+    pool does not survive a fork); on_gpu drops the worker to one thread, so the call completes."""
+    import functools
+
+    import torch
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        (a @ a).sum()   # the main process's OpenMP pool is now in use
+        fig, report, err = app.on_gpu(60, app.predict_view, gpu=functools.partial(fake_zerogpu.GPU, timeout=30))(
+            BB, app.NONE, "cb", **CB)
+        assert err == "" and torch.get_num_threads() == 2   # only the worker dropped to one thread
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_capsule_from_the_hub_and_a_push_to_it(trained, tmp_path, monkeypatch):
@@ -367,7 +429,8 @@ def test_training_jobs_queue_one_at_a_time_with_a_position(tmp_path, monkeypatch
 
     def first_one_runs_until_stopped(cfg, bb, emit, stop):   # a tiny model trains too fast to queue behind
         calls.append(cfg.task)
-        while len(calls) == 1 and not stop.wait(0.1):
+        while len(calls) == 1 and not stop.is_set():
+            time.sleep(0.1)
             emit({"kind": "info", "text": "training…"})
         return real(cfg, bb, emit, stop)
     monkeypatch.setattr(app, "run_training", first_one_runs_until_stopped)

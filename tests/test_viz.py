@@ -14,3 +14,29 @@ def test_runs_table_rows_come_from_run_summaries():
                         "accuracy 57.1 % · macro_f1 40.0 % |")
     assert "| linear-head |" in lines[5]
     assert viz.runs_table([]) == ""
+
+
+def test_watch_runs_the_job_in_the_callers_context_and_reports_its_events():
+    """TrainingCurves.watch: the job sees the caller's context variables (ZeroGPU reads the Gradio request, hence
+    whose quota, from one), its step events feed the curves, and an exception ends the run as an error event."""
+    import contextvars
+    request = contextvars.ContextVar("request", default=None)
+    request.set("user-a")
+    seen = []
+
+    def job(emit):
+        seen.append(request.get())
+        for step in (1, 2):
+            emit({"kind": "step", "step": step, "total_steps": 2, "loss": 1.0 / step, "examples_per_s": 8.0,
+                  "eta_s": 2 - step})
+        emit({"kind": "finished", "summary": {}})
+
+    curves = viz.TrainingCurves()
+    events = [e for batch in curves.watch(job, every=0) for e in batch]
+    assert seen == ["user-a"] and [e["kind"] for e in events] == ["step", "step", "finished"]
+    assert curves.steps == [1, 2] and curves.figures()[0] is not None
+
+    def broken(emit):
+        raise ValueError("no such column 'label'")
+    events = [e for batch in viz.TrainingCurves().watch(broken, on_error=lambda e: f"bad: {e}") for e in batch]
+    assert events == [{"kind": "error", "text": "bad: no such column 'label'"}]
