@@ -5,7 +5,6 @@ import functools
 import inspect
 import json
 import os
-import queue
 import random
 import shutil
 import tempfile
@@ -74,14 +73,6 @@ class StopFile:
 
     def is_set(self) -> bool:
         return os.path.exists(self.path)
-
-
-class _Either:   # stop when either flag is set
-    def __init__(self, *flags):
-        self.flags = flags
-
-    def is_set(self) -> bool:
-        return any(f.is_set() for f in self.flags)
 
 
 def get_backbone(name: str) -> capt.Backbone:
@@ -379,26 +370,21 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
 def train_chunk(cfg: TrainConfig, resume: bool, stop: StopFile):
     """One time-boxed piece of a run (cfg.max_minutes is the run's clock at its end), resuming from the
     checkpoint of the previous piece. A generator of the train callback's events, ending with
-    {"kind": "chunk", "summary"} or {"kind": "error", "text"}: ZeroGPU runs it in a worker process and
+    {"kind": "finished", "summary"} or {"kind": "error", "text"}: ZeroGPU runs it in a worker process and
     streams its yields back (a callback could not reach the page from there; every argument and event is
     pickled on the way, so all are plain data)."""
-    events, gone = queue.Queue(), threading.Event()
-
-    def run():
-        try:
-            summary = train(cfg, get_backbone(cfg.backbone), callback=events.put, stop=_Either(stop, gone),
-                            resume=resume, progress=False)
-            events.put({"kind": "chunk", "summary": summary})
-        except Exception as e:
-            events.put({"kind": "error", "text": viz.error_message(e)})
-
-    threading.Thread(target=run, daemon=True, name="capt-training-chunk").start()
+    events = viz.in_thread(lambda emit: emit({"kind": "finished", "summary": train(
+        cfg, get_backbone(cfg.backbone), callback=emit, stop=stop, resume=resume, progress=False)}),
+        on_error=viz.error_message)
+    ended = False
     try:
-        while (event := events.get())["kind"] not in ("chunk", "error"):
+        while (event := events.get())["kind"] not in ("finished", "error"):
             yield event
+        ended = True
         yield event
     finally:
-        gone.set()   # closed early (the page went away): the run ends within one step
+        if not ended:   # closed early (the page went away): the whole run ends within one step
+            stop.set()
 
 
 def on_gpu(duration: int, fn, gpu=None):
@@ -431,7 +417,7 @@ def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: StopFile) -> d
 
     def chunk(chunk_cfg: TrainConfig, resume: bool) -> dict:
         for event in gpu_train_chunk(chunk_cfg, resume, stop):
-            if event["kind"] == "chunk":
+            if event["kind"] == "finished":
                 return event["summary"]
             if event["kind"] == "error":
                 raise CaptError(event["text"])

@@ -248,6 +248,22 @@ def _clock(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def in_thread(job, on_error=str) -> queue.Queue:
+    """Start `job(emit)` in a daemon thread, in the caller's context (ZeroGPU's spaces.GPU reads the Gradio
+    request, hence whose quota, from a contextvar); return the queue its emitted events arrive in. An exception
+    it raises arrives as an "error" event with the text `on_error(exception)`."""
+    events = queue.Queue()
+
+    def run():
+        try:
+            job(events.put)
+        except Exception as e:
+            events.put({"kind": "error", "text": on_error(e)})
+
+    threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True, name="capt-training").start()
+    return events
+
+
 class TrainingCurves:
     """Collects `capt.training.train` callback events; gives the live loss/dev figures and a progress line.
     `watch` runs a training job in a thread and yields its events in batches paced for a UI."""
@@ -271,20 +287,9 @@ class TrainingCurves:
             self.text = event["text"]
 
     def watch(self, job, on_error=str, every: float = 0.5):
-        """Run `job(emit)` in a daemon thread and yield its events as `follow` does. The job emits the
-        `train` callback's events and its own ("info", then "finished" with the summary); an exception it
-        raises ends the run as an "error" event with the text `on_error(exception)`."""
-        events = queue.Queue()
-
-        def run():
-            try:
-                job(events.put)
-            except Exception as e:
-                events.put({"kind": "error", "text": on_error(e)})
-
-        # in the caller's context: ZeroGPU's spaces.GPU reads the Gradio request (whose quota) from a contextvar
-        threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True, name="capt-training").start()
-        yield from self.follow(events, every)
+        """Run `job(emit)` in a daemon thread (`in_thread`) and yield its events as `follow` does. The job emits
+        the `train` callback's events and its own ("info", then "finished" with the summary)."""
+        yield from self.follow(in_thread(job, on_error), every)
 
     def follow(self, events: queue.Queue, every: float = 0.5, poll: float = 0.25):
         """Read events from a queue that a training thread fills (its `train` callback, plus the caller's

@@ -338,6 +338,21 @@ def test_zerogpu_stop_and_errors_cross_the_process(tmp_path, monkeypatch):
     assert "the checkpoint in runs/x was written by another run" in last["error"]
 
 
+def test_a_training_chunk_closed_early_stops_the_run(tmp_path):
+    """ZeroGPU closes the chunk's generator when the page goes away: the run's stop flag is set, so training
+    ends within one step; a chunk read to its end leaves the flag alone for the next chunk."""
+    cfg = app.train_config(BB, "cb", "quick: 20 steps", str(tmp_path / "run"), max_steps=5000, batch_size=2)
+    stop = app.StopFile(tmp_path / "stop")
+    chunk = app.train_chunk(cfg, False, stop)
+    assert next(chunk)["kind"] in ("step", "eval") and not stop.is_set()
+    chunk.close()
+    assert stop.is_set()
+    cfg = app.train_config(BB, "cb", "quick: 20 steps", str(tmp_path / "run2"), max_steps=2, batch_size=2)
+    stop = app.StopFile(tmp_path / "stop2")
+    events = list(app.train_chunk(cfg, False, stop))
+    assert events[-1]["kind"] == "finished" and events[-1]["summary"]["steps"] == 2 and not stop.is_set()
+
+
 def test_zerogpu_views_take_and_return_plain_data(trained):
     """Predict, attention and probe as ZeroGPU calls (forked worker, pickled arguments and results) give what
     the plain calls give."""
