@@ -184,3 +184,8 @@ def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monke
         bench.main(["--pool", str(paths[0]), str(other)])
     with pytest.raises(SystemExit, match="cannot read benchmark results"):
         bench.main(["--pool", str(tmp_path / "missing.json")])
+    old = json.loads(paths[0].read_text())
+    del old["times"]["capt-layer0"]   # as written before that diagnostic existed
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match="old.json has no capt-layer0 timings: an older train.bench wrote it"):
+        bench.main(["--pool", str(tmp_path / "old.json"), str(tmp_path / "old.json")])

@@ -238,6 +238,9 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     return summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
 
 
+SUMMARY_READS = ("floor", "capt", "floor-plus-1", "capt-layer0", "predict", "predict+capsule")  # rows summarize needs
+
+
 def summarize(times: dict[str, list[float]], trainable: dict[str, int], diagnostic: list[str], meta: dict) -> dict:
     """Every printed number from the per-round times (what --json keeps, so a run can be re-read)."""
     med = {name: statistics.median(t) for name, t in times.items()}
@@ -272,6 +275,10 @@ def pool(paths: list[Path]) -> dict:
             raise CaptError(f"{path} is not a run of the same benchmark as {paths[0]} (pool only runs with the "
                             f"same {', '.join(same)} and rows, made by the same version of train.bench)")
     first = runs[0]
+    missing = [name for name in SUMMARY_READS if name not in first.get("times", {})]
+    if missing:
+        raise CaptError(f"{paths[0]} has no {', '.join(missing)} timings: an older train.bench wrote it; "
+                        f"rerun the benchmark with this version to pool it")
     times = {name: [t for r in runs for t in r["times"][name]] for name in first["times"]}
     meta = {k: first.get(k) for k in ("backbone", "batch_size", "seq_len", "task", "warmup", "threads")}
     meta.update(repeats=sum(r["repeats"] for r in runs), pooled=[str(p) for p in paths],
