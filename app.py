@@ -17,7 +17,7 @@ import torch
 
 import capt
 from capt import CaptError, viz
-from capt.analysis import pooled_token_probe
+from capt.analysis import PAPER_KS, probe_on_val
 from capt.backbones import canonical_name
 from capt.config import FUSIONS, HEADS, LAYER_PRESETS, PLACEMENTS
 from capt.hub import check_repo_id, is_repo_id
@@ -47,7 +47,6 @@ OWN_FILE = "my file (CSV / JSONL)"
 TRAIN_METHODS = {"capt": "CaPT (a capsule)", "deep-prompt-1": "deep prompt, 1 token per layer (no instance mean)",
                  "prompt-tuning": "PEFT prompt tuning (a soft prompt)", "p-tuning-v2": "PEFT P-tuning v2 (prefix)",
                  "linear-head": "linear head on the frozen backbone"}
-PROBE_KS = (1, 2, 3, 4, 10)   # the paper's training-free probe: pooled instance tokens prepended
 GPU_CHUNK_S = int(os.environ.get("CAPT_GPU_CHUNK_S", 240))   # ZeroGPU: seconds of training per GPU call
 API_DOC = """Every action is an endpoint (`/predict`, `/attention`, `/probe`, `/train`, `/stop`; see "Use via API").
 One `gradio_client.Client` is one session: the capsule `/train` returns (its 8th output) stays usable for it:
@@ -256,34 +255,20 @@ def attention_view(backbone: str, capsule: str = NONE, task: str = "rte", layer:
         return (None,) * 7 + ("", viz.error_message(e))
 
 
-def probe_view(backbone: str, capsule: str = NONE, task: str = "rte", n_examples: int = 32, ks=PROBE_KS,
+def probe_view(backbone: str, capsule: str = NONE, task: str = "rte", n_examples: int = 32, ks=PAPER_KS,
                session: dict | None = None, hub_id: str = "", seed: int = 0):
     """The paper's training-free probe: (accuracy bars for k = 0 and each k in ks, markdown, error) on a fixed
     random sample of the task's val split. The capsule is used as trained, with k mean-pooled instance tokens
     prepended at every capsule layer; with no capsule, an untrained deep prompt (W = 0)."""
     try:
         bb, cap, t, notes = resolve(hub_id or backbone, capsule, task, session)
-        if t not in capt.TASKS.values():
-            raise CaptError("the probe measures accuracy on a built-in task's val split; choose one of "
-                            + ", ".join(capt.TASKS))
-        n = int(n_examples or 0)
-        if not 4 <= n <= 1000:
-            raise CaptError(f"sample size {n} is out of range; valid: 4..1000 val examples")
-        chosen = sorted({int(k) for k in ks or ()})
-        if not chosen or not all(1 <= k <= 64 for k in chosen):
-            raise CaptError(f"choose one or more numbers of pooled tokens in 1..64 (the paper: {PROBE_KS})")
-        name = "the chosen capsule"
-        if cap is None:
-            cap = capt.Capsule.for_backbone(bb, capt.CapsuleConfig(fusion="none"), n_labels=len(t.labels))
-            name = "an untrained deep prompt (W = 0: only the pooled tokens carry information)"
-        val = capt.load_examples(t, "val")
-        examples = random.Random(seed).sample(val, min(n, len(val)))
-        accuracy = pooled_token_probe(bb, t, examples, cap, ks=[0, *chosen])
-        fig = viz.probe_figure(accuracy, len(examples), f"{t.name} on {bb.name}: k pooled tokens before {name}")
-        best = max(accuracy, key=accuracy.get)
-        text = (f"Accuracy of {name} on {len(examples)} random {t.name} val examples (seed {seed}) with k mean-pooled "
+        r = probe_on_val(bb, t, cap, n_examples, ks, seed)
+        name = "the chosen capsule" if cap is not None else r.subject
+        fig = viz.probe_figure(r.accuracy, r.n_examples, f"{t.name} on {bb.name}: k pooled tokens before {name}")
+        best = max(r.accuracy, key=r.accuracy.get)
+        text = (f"Accuracy of {name} on {r.n_examples} random {t.name} val examples (seed {seed}) with k mean-pooled "
                 f"instance tokens prepended at every capsule layer, nothing trained: "
-                + " · ".join(f"k={k}: **{100 * a:.1f} %**" for k, a in accuracy.items())
+                + " · ".join(f"k={k}: **{100 * a:.1f} %**" for k, a in r.accuracy.items())
                 + f". Best: k={best}. The paper finds one pooled token helps and more tokens hurt.")
         return fig, text + "".join(f"\n\n⚠ {x}" for x in notes), ""
     except Exception as e:
@@ -557,7 +542,7 @@ def build_demo():
                                 "the input's own hidden states prepended at every capsule layer, nothing trained; "
                                 "accuracy on a fixed random sample of the task's val split.")
                     with gr.Row():
-                        probe_ks = gr.CheckboxGroup(list(PROBE_KS), value=list(PROBE_KS), label="k")
+                        probe_ks = gr.CheckboxGroup(list(PAPER_KS), value=list(PAPER_KS), label="k")
                         probe_n = gr.Slider(8, 200, value=32, step=8, label="val examples")
                         probe_btn = gr.Button("Run the probe")
                     probe_fig, probe_md = gr.Plot(label="accuracy per k"), gr.Markdown()

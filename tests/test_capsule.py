@@ -362,3 +362,27 @@ def test_pooled_token_probe_reports_each_k():
     plain = capt.predict(bb, RTE, examples, capsule=cap)
     assert result[0] == sum(RTE.labels.index(p.label) == e["label"] for p, e in zip(plain, examples)) / 3
     assert cap.config.pooled_tokens == 0  # the trained capsule is not changed
+
+
+def test_probe_on_val_samples_the_val_split_and_checks_its_input():
+    import random
+
+    from capt.analysis import pooled_token_probe, probe_on_val
+
+    bb = tiny("tiny-llama")
+    cap = random_capsule(bb, fusion="none")
+    r = probe_on_val(bb, RTE, cap, n_examples=5, ks=[3, 1, 1], seed=7)
+    sample = random.Random(7).sample(capt.load_examples(RTE, "val"), 5)  # the same seeded sample, k sorted, once
+    assert r.n_examples == 5 and r.task == "rte" and r.seed == 7 and r.subject == "the given capsule"
+    assert r.accuracy == pooled_token_probe(bb, RTE, sample, cap, ks=(0, 1, 3))
+    bare = probe_on_val(bb, RTE, None, n_examples=4, ks=[1])
+    assert "untrained deep prompt" in bare.subject and list(bare.accuracy) == [0, 1]
+    for kwargs, message in [(dict(n_examples=3), "sample size 3 is out of range; valid: 4..1000"),
+                            (dict(ks=[]), "choose one or more numbers of pooled tokens in 1..64"),
+                            (dict(ks=[65]), "in 1..64")]:
+        with pytest.raises(capt.CaptError, match=message):
+            probe_on_val(bb, RTE, cap, **kwargs)
+    with pytest.raises(capt.CaptError, match="built-in task's val split"):
+        probe_on_val(bb, capt.custom_task("mine", ["text"], {"a": " yes", "b": " no"}), cap)
+    with pytest.raises(capt.CaptError, match=r"in 0\.\.64"):
+        pooled_token_probe(bb, RTE, sample, cap, ks=(0, 100))
