@@ -90,7 +90,14 @@ def attention(backbone: Backbone, text: str, capsule: Capsule | None = None,
             out, inp = run(backbone, capsule, input_ids, mask, output_attentions=True, prefix=prefix)
         finally:
             model.set_attn_implementation(previous)
-    maps = torch.stack([a[0] for a in out.attentions]).float().cpu().numpy()  # (L, H, T', T')
+    maps = None   # (L, H, T', T'), filled layer by layer and each layer's tensor dropped: no second full copy
+    layers = list(out.attentions)
+    del out
+    for i in range(len(layers)):
+        a, layers[i] = layers[i][0], None
+        maps = np.empty((len(layers), *a.shape), np.float32) if maps is None else maps
+        maps[i] = a.float().cpu().numpy()
+        del a
 
     words = [tok.decode([i]) for i in ids]
     if prefix is not None:
