@@ -24,7 +24,8 @@ from .seeding import seeded
 from .files import atomic_folder
 from .io import task_to_dict
 from .methods import Method
-from .scoring import Scores, _last_real, encode_prompts, pad
+from .scoring import (Scores, _last_real, check_batch, encode_prompts, label_rows, label_tokens, pad, t5_targets,
+                      t5_totals)
 from .tasks import Rendered, Task
 
 KINDS = ("prompt-tuning", "p-tuning-v2")
@@ -75,10 +76,7 @@ class PeftMethod(Method):
 
     def scores(self, rendered: list[Rendered], general: bool = False) -> Scores:
         """(B, C) label log-scores. `general` forces the per-(example, label) path (tests)."""
-        if not rendered:
-            raise CaptError("nothing to score: the batch is empty")
-        if len({len(r.choices) for r in rendered}) != 1:
-            raise CaptError("examples in one batch must have the same number of labels")
+        check_batch(rendered)
         if self.bb.encoder_decoder:
             return self._score_t5(rendered)
         return self._score_decoder(rendered, general)
@@ -98,10 +96,8 @@ class PeftMethod(Method):
     def _score_decoder(self, rendered, general) -> Scores:
         tok = self.bb.tokenizer
         side = tok.padding_side  # with left padding PEFT's virtual tokens precede the pads (its behaviour)
-        choice_ids = [[tok(c, add_special_tokens=False)["input_ids"] for c in r.choices] for r in rendered]
-        single = all(len(c) == 1 for row in choice_ids for c in row)
-        shared = all(row == choice_ids[0] for row in choice_ids)
-        if single and shared and not general:  # one row per example, read at its last real token
+        choice_ids, one_token = label_tokens(tok, rendered)
+        if one_token and not general:  # one row per example, read at its last real token
             prompts, dropped = encode_prompts(self.bb, None, [r.prompt for r in rendered], reserve=self.m)
             ids, mask = pad(prompts, tok.pad_token_id, side)
             keep = torch.zeros_like(mask, dtype=torch.bool)
@@ -109,24 +105,14 @@ class PeftMethod(Method):
             logp = self._log_probs(ids, mask, keep)                             # (B, V)
             return Scores(logp[:, [c[0] for c in choice_ids[0]]], dropped)
 
-        C = len(rendered[0].choices)  # one row per (example, label): prompt + choice
-        reserve = self.m + max(len(c) for row in choice_ids for c in row)
+        reserve = self.m + max(len(c) for row in choice_ids for c in row)   # one row per (example, label)
         prompts, dropped = encode_prompts(self.bb, None, [r.prompt for r in rendered], reserve)
-        pairs = [(p, c) for p, row in zip(prompts, choice_ids) for c in row]
-        ids, mask = pad([p + c for p, c in pairs], tok.pad_token_id, side)
-        offset = mask.shape[1] - mask.sum(1) if side == "left" else torch.zeros(len(pairs), dtype=torch.long)
-        keep = torch.zeros_like(mask, dtype=torch.bool)
-        row_of, target = [], []
-        for n, (p, c) in enumerate(pairs):  # position len(p)-1+k predicts c[k]; row-major like `keep`
-            o = int(offset[n])
-            keep[n, o + len(p) - 1:o + len(p) - 1 + len(c)] = True
-            row_of += [n] * len(c)
-            target += c
-        logp = self._log_probs(ids, mask, keep)                                  # (K, V)
-        row_of, target = (torch.tensor(x, device=logp.device) for x in (row_of, target))
-        token_logp = logp.gather(1, target[:, None])[:, 0]
-        totals = torch.zeros(len(pairs), device=logp.device).index_add(0, row_of, token_logp)
-        return Scores(totals.view(len(rendered), C), dropped)
+        lr = label_rows(prompts, choice_ids, tok.pad_token_id, side)
+        keep = torch.zeros_like(lr.mask, dtype=torch.bool)
+        keep[lr.row_of, lr.pos_of] = True                # row-major, ascending per row: the order of lr.target
+        logp = self._log_probs(lr.ids, lr.mask, keep)                           # (K, V)
+        token_logp = logp.gather(1, lr.target.to(logp.device)[:, None])[:, 0]
+        return Scores(lr.totals(token_logp, len(rendered)), dropped)
 
     # --- encoder-decoder -----------------------------------------------------------------------
 
@@ -135,19 +121,13 @@ class PeftMethod(Method):
         prompt is repeated once per label (C encoder passes instead of capt.scoring's one)."""
         tok, bb = self.bb.tokenizer, self.bb
         prompts, dropped = encode_prompts(bb, None, [r.prompt for r in rendered], reserve=self.m)
-        ids, mask = pad(prompts, tok.pad_token_id, "right")
+        ids, mask = (t.to(bb.device) for t in pad(prompts, tok.pad_token_id, "right"))
         C = len(rendered[0].choices)
-        targets = [tok(c, add_special_tokens=True)["input_ids"] for r in rendered for c in r.choices]
-        tgt, tmask = pad(targets, tok.pad_token_id, "right")
-        start = torch.full_like(tgt[:, :1], bb.model.config.decoder_start_token_id)
-        dec_in = torch.cat([start, tgt[:, :-1]], 1)
-        ids, mask, tgt, tmask, dec_in = (t.to(bb.device) for t in (ids, mask, tgt, tmask, dec_in))
+        tgt, tmask, dec_in = t5_targets(bb, rendered)
         with bb.lock:
             logits = self.peft[0](input_ids=ids.repeat_interleave(C, 0), attention_mask=mask.repeat_interleave(C, 0),
                                   decoder_input_ids=dec_in, decoder_attention_mask=tmask).logits  # (B*C, T', V)
-        logp = torch.log_softmax(logits.float(), -1)
-        token_logp = logp.gather(2, tgt[..., None])[..., 0] * tmask
-        return Scores(token_logp.sum(1).view(len(rendered), C), dropped)
+        return Scores(t5_totals(torch.log_softmax(logits.float(), -1), tgt, tmask, len(rendered)), dropped)
 
     # --- files ---------------------------------------------------------------------------------
 

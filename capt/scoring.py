@@ -31,19 +31,25 @@ def score(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered],
     """Label log-scores for a batch. Differentiable w.r.t. the capsule and head. `head` (d -> C)
     defaults to the capsule's own; without one the LM head scores the label words (verbalizer).
     `general` forces the per-(example, label) path even when every label is one token (tests)."""
+    n_choices = check_batch(rendered)
+    if head is None and capsule is not None:
+        head = capsule.head
+    if head is not None and head.out_features != n_choices:
+        raise CaptError(f"this head scores {head.out_features} labels but the task has "
+                        f"{n_choices}; use the task the capsule was trained on")
+    if backbone.encoder_decoder:
+        return _score_t5(backbone, capsule, rendered, head)
+    return _score_decoder(backbone, capsule, rendered, head, general)
+
+
+def check_batch(rendered: list[Rendered]) -> int:
+    """The number of labels C every example of a batch shares; a clear error for an empty or mixed batch."""
     if not rendered:
         raise CaptError("nothing to score: the batch is empty")
     n_choices = {len(r.choices) for r in rendered}
     if len(n_choices) != 1:
         raise CaptError(f"examples in one batch must have the same number of labels, got {sorted(n_choices)}")
-    if head is None and capsule is not None:
-        head = capsule.head
-    if head is not None and head.out_features != len(rendered[0].choices):
-        raise CaptError(f"this head scores {head.out_features} labels but the task has "
-                        f"{len(rendered[0].choices)}; use the task the capsule was trained on")
-    if backbone.encoder_decoder:
-        return _score_t5(backbone, capsule, rendered, head)
-    return _score_decoder(backbone, capsule, rendered, head, general)
+    return n_choices.pop()
 
 
 # --- tokens ------------------------------------------------------------------------------------
@@ -105,15 +111,69 @@ def _device(backbone: Backbone, *tensors):
     return [t.to(backbone.device) for t in tensors]
 
 
+# --- the label set as tokens (shared with the PEFT baselines) -----------------------------------
+
+def label_tokens(tokenizer, rendered: list[Rendered]) -> tuple[list[list[list[int]]], bool]:
+    """Each example's label continuations as token ids, and whether every label is one token and all
+    examples share them (then one row per example, read at its last real token, scores the batch)."""
+    choice_ids = [[tokenizer(c, add_special_tokens=False)["input_ids"] for c in r.choices] for r in rendered]
+    single = all(len(c) == 1 for row in choice_ids for c in row)
+    return choice_ids, single and all(row == choice_ids[0] for row in choice_ids)
+
+
+@dataclass
+class LabelRows:
+    """One row per (example, label), row-major: the prompt followed by the label's tokens, padded."""
+
+    ids: torch.Tensor        # (N, T) N = B*C
+    mask: torch.Tensor       # (N, T)
+    prompt_mask: torch.Tensor  # (N, T) the prompt's tokens only (the capsule's instance mean)
+    row_of: torch.Tensor     # (K,) for every label token: its row,
+    pos_of: torch.Tensor     # (K,) the position whose next-token distribution predicts it (ascending per row),
+    target: torch.Tensor     # (K,) and its id
+
+    def totals(self, token_logp: torch.Tensor, n_examples: int) -> torch.Tensor:
+        """(K,) log-probs of the label tokens -> (B, C): each label's continuation, summed."""
+        totals = torch.zeros(self.ids.shape[0], device=token_logp.device, dtype=token_logp.dtype)
+        return totals.index_add(0, self.row_of.to(token_logp.device), token_logp).view(n_examples, -1)
+
+
+def label_rows(prompts: list[list[int]], choice_ids: list[list[list[int]]], pad_id: int, side: str) -> LabelRows:
+    """Position len(prompt)-1+k of a row predicts the label's token k (either padding side)."""
+    pairs = [(p, c) for p, row in zip(prompts, choice_ids) for c in row]
+    ids, mask = pad([p + c for p, c in pairs], pad_id, side)
+    offset = (mask.shape[1] - mask.sum(1)) if side == "left" else torch.zeros(len(pairs), dtype=torch.long)
+    prompt_mask = torch.zeros_like(mask)
+    row_of, pos_of, target = [], [], []
+    for n, (p, c) in enumerate(pairs):
+        o = int(offset[n])
+        prompt_mask[n, o:o + len(p)] = 1
+        for k, t in enumerate(c):
+            row_of.append(n), pos_of.append(o + len(p) - 1 + k), target.append(t)
+    return LabelRows(ids, mask, prompt_mask, *(torch.tensor(x, dtype=torch.long) for x in (row_of, pos_of, target)))
+
+
+def t5_targets(backbone: Backbone, rendered: list[Rendered]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T5 teacher forcing, one row per (example, label): (targets, their mask, decoder inputs), (B*C, T_dec)."""
+    tok = backbone.tokenizer
+    targets = [tok(c, add_special_tokens=True)["input_ids"] for r in rendered for c in r.choices]
+    tgt, tmask = pad(targets, tok.pad_token_id, "right")
+    dec_in = torch.cat([torch.full_like(tgt[:, :1], backbone.model.config.decoder_start_token_id), tgt[:, :-1]], 1)
+    return _device(backbone, tgt, tmask, dec_in)
+
+
+def t5_totals(logp: torch.Tensor, tgt: torch.Tensor, tmask: torch.Tensor, n_examples: int) -> torch.Tensor:
+    """(B*C, T_dec, V) decoder log-probs -> (B, C): each label's target tokens, summed."""
+    return (logp.gather(2, tgt[..., None])[..., 0] * tmask).sum(1).view(n_examples, -1)
+
+
 # --- decoder-only ------------------------------------------------------------------------------
 
 def _score_decoder(backbone, capsule, rendered, head, general) -> Scores:
     tok = backbone.tokenizer
     side = tok.padding_side
-    choice_ids = [[tok(c, add_special_tokens=False)["input_ids"] for c in r.choices] for r in rendered]
-    single = all(len(c) == 1 for row in choice_ids for c in row)
-    shared = all(row == choice_ids[0] for row in choice_ids)
-    if head is not None or (single and shared and not general):
+    choice_ids, one_token = label_tokens(tok, rendered)
+    if head is not None or (one_token and not general):
         prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
         ids, mask = _device(backbone, *pad(prompts, tok.pad_token_id, side))
         out, inp = run(backbone, capsule, ids, mask)
@@ -125,26 +185,15 @@ def _score_decoder(backbone, capsule, rendered, head, general) -> Scores:
         logp = torch.log_softmax(lm_logits(backbone, h).float(), -1)    # (B, V)
         return Scores(logp[:, [c[0] for c in choice_ids[0]]], dropped)
 
-    C = len(rendered[0].choices)
     reserve = max(len(c) for row in choice_ids for c in row)
     prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered], reserve)
-    seqs = [p + c for p, row in zip(prompts, choice_ids) for c in row]    # N = B*C rows
-    ids, mask = pad(seqs, tok.pad_token_id, side)
-    offset = (mask.shape[1] - mask.sum(1)) if side == "left" else torch.zeros(len(seqs), dtype=torch.long)
-    inst = torch.zeros_like(mask)
-    row_of, pos_of, target = [], [], []
-    for n, (p, c) in enumerate((p, c) for p, row in zip(prompts, choice_ids) for c in row):
-        o = int(offset[n])
-        inst[n, o:o + len(p)] = 1                                        # mean over the prompt only
-        for k, t in enumerate(c):                                        # position p-1+k predicts c[k]
-            row_of.append(n), pos_of.append(o + len(p) - 1 + k), target.append(t)
-    ids, mask, inst = _device(backbone, ids, mask, inst)
-    out, inp = run(backbone, capsule, ids, mask, instance_mask=inst)
-    row_of, pos_of, target = (torch.tensor(x, device=ids.device) for x in (row_of, pos_of, target))
+    lr = label_rows(prompts, choice_ids, tok.pad_token_id, side)         # N = B*C rows
+    ids, mask, inst, row_of, pos_of, target = _device(backbone, lr.ids, lr.mask, lr.prompt_mask, lr.row_of,
+                                                      lr.pos_of, lr.target)
+    out, inp = run(backbone, capsule, ids, mask, instance_mask=inst)     # mean over the prompt only
     h = out.last_hidden_state[row_of, inp.real_index[row_of, pos_of]]   # (K, d) continuation positions
     logp = torch.log_softmax(lm_logits(backbone, h).float(), -1).gather(1, target[:, None])[:, 0]
-    totals = torch.zeros(len(seqs), device=ids.device, dtype=logp.dtype).index_add(0, row_of, logp)
-    return Scores(totals.view(len(rendered), C), dropped)
+    return Scores(lr.totals(logp, len(rendered)), dropped)
 
 
 # --- encoder-decoder ---------------------------------------------------------------------------
@@ -161,13 +210,10 @@ def _score_t5(backbone, capsule, rendered, head) -> Scores:
 
     enc, inp = run(backbone, capsule, ids, mask)
     C = len(rendered[0].choices)
-    targets = [tok(c, add_special_tokens=True)["input_ids"] for r in rendered for c in r.choices]
-    tgt, tmask = _device(backbone, *pad(targets, tok.pad_token_id, "right"))
-    dec_in = torch.cat([torch.full_like(tgt[:, :1], start), tgt[:, :-1]], 1)
+    tgt, tmask, dec_in = t5_targets(backbone, rendered)
     with backbone.lock:
         dec = model.decoder(input_ids=dec_in, attention_mask=tmask,
                             encoder_hidden_states=enc.last_hidden_state.repeat_interleave(C, 0),
                             encoder_attention_mask=inp.attention_mask.repeat_interleave(C, 0))
     logp = torch.log_softmax(lm_logits(backbone, dec.last_hidden_state).float(), -1)
-    token_logp = logp.gather(2, tgt[..., None])[..., 0] * tmask
-    return Scores(token_logp.sum(1).view(len(rendered), C), dropped)
+    return Scores(t5_totals(logp, tgt, tmask, len(rendered)), dropped)

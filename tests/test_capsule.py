@@ -104,6 +104,23 @@ def test_single_token_fast_path_equals_general_path(arch):
     assert torch.allclose(fast, general, atol=1e-5)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_label_rows_golden(side):
+    """One row per (example, label); each label token is read where the previous token sits."""
+    from capt.scoring import label_rows
+
+    lr = label_rows([[1, 2, 3], [4]], [[[7], [8, 9]], [[7], [8, 9]]], 0, side)
+    rows = [[1, 2, 3, 7], [1, 2, 3, 8, 9], [4, 7], [4, 8, 9]]
+    for n, row in enumerate(rows):
+        real = lr.ids[n][lr.mask[n].bool()].tolist()
+        assert real == row and lr.ids[n][~lr.mask[n].bool()].tolist() == [0] * (5 - len(row))
+        assert lr.ids[n][lr.prompt_mask[n].bool()].tolist() == row[:3 if n < 2 else 1]
+    assert lr.row_of.tolist() == [0, 1, 1, 2, 3, 3] and lr.target.tolist() == [7, 8, 9, 7, 8, 9]
+    assert lr.pos_of.tolist() == ([2, 2, 3, 0, 0, 1] if side == "right" else [3, 2, 3, 3, 2, 3])
+    assert torch.equal(lr.ids[lr.row_of, lr.pos_of + 1], lr.target)  # the next token is the label token
+    assert lr.totals(torch.arange(6.0), 2).tolist() == [[0.0, 3.0], [3.0, 9.0]]
+
+
 @pytest.mark.parametrize("option", ["default", "prepend", "inplace", "extract", "linear"])
 def test_left_and_right_padding_agree(backbone, option):
     cap = random_capsule(backbone, **OPTIONS[option])

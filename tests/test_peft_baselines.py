@@ -98,6 +98,33 @@ def test_padding(bb_name, name, padding_side):
             assert left.shape == (3, 2) and torch.isfinite(left).all()
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bb_name", [b for b in BACKBONES if b != "tiny-t5"])
+def test_multi_token_labels_sum_each_continuation(bb_name, name, padding_side):
+    """COPA-like labels of several tokens: each label's score is the sum of its tokens' log-probs after the
+    prompt, computed here by hand from PEFT's own forward on one unpadded row at a time."""
+    bb = tiny(bb_name)
+    method = PeftMethod(bb, TASK, name, num_virtual_tokens=M)
+    choices = (" the cat sat", " a")
+    rendered = [Rendered(r.prompt, choices, r.label) for r in render(bb, UNEVEN)]
+    tok = bb.tokenizer
+    expected = []
+    with torch.no_grad():
+        for r in rendered:
+            prompt = tok(r.prompt)["input_ids"]
+            row = []
+            for c in choices:
+                cont = tok(c, add_special_tokens=False)["input_ids"]
+                ids = torch.tensor([prompt + cont])
+                logits = method.peft[0](input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
+                logp = torch.log_softmax(logits[-ids.shape[1]:].float(), -1)  # drop prompt tuning's m positions
+                row.append(sum(logp[len(prompt) - 1 + k, t] for k, t in enumerate(cont)))
+            expected.append(row)
+        padding_side(bb, "right")
+        got = method.scores(rendered).logits
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-4, rtol=0)
+
+
 def _snapshot(bb):
     model = bb.model
     ids = torch.tensor([[1, 5, 9, 13, 2]])
