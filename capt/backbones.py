@@ -115,13 +115,29 @@ def canonical_name(name: str) -> str:
     return HUB_ALIASES.get(key.lower(), key)
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The device as torch names it, or a clear error (before any weights load) for a name torch does not
+    know or an accelerator this machine does not have."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CaptError(f"device {device!r} is not valid; give cpu, cuda, cuda:1, mps, ...") from None
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
+                 "mps": lambda: torch.backends.mps.is_available()}.get(dev.type, lambda: True)
+    if not available():
+        raise CaptError(f"device {device!r} is not available on this machine; use cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CaptError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return dev
+
+
 def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", device: str | None = None,
                   revision: str | None = None, max_length: int | None = None,
                   cache_dir: str | Path | None = None) -> Backbone:
     """Load a backbone by short name or hub id; GPU when present, else CPU; float32 unless asked."""
     if dtype not in DTYPES:
         raise CaptError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     key = canonical_name(name)
     if key in EMBEDDED:
         model, tok, rev = _load_embedded(key, Path(cache_dir) if cache_dir else _cache_root())

@@ -4,6 +4,7 @@ import importlib.metadata
 import sys
 
 import pytest
+import torch
 
 import capt
 import capt.backbones as backbones
@@ -133,3 +134,17 @@ def test_canonical_name_is_the_name_a_loaded_backbone_gets():
     alias = next(iter(HUB_ALIASES))
     assert canonical_name(alias.upper()) == HUB_ALIASES[alias] and canonical_name("Org/Model") == "Org/Model"
     assert canonical_name(None) == ""
+
+
+def test_a_device_torch_does_not_know_or_this_machine_lacks_is_refused_clearly():
+    from capt.backbones import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(capt.CaptError, match="device 'gpu0' is not valid; give cpu, cuda, cuda:1, mps"):
+        capt.load_backbone("tiny-llama", device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(capt.CaptError, match="device 'cuda' is not available on this machine; use cpu"):
+            capt.load_backbone("tiny-llama", device="cuda")
+    else:
+        with pytest.raises(capt.CaptError, match="does not exist"):
+            check_device(f"cuda:{torch.cuda.device_count()}")

@@ -34,7 +34,7 @@ def snapshot(bb):
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_bench_tiny(tmp_path, capsys, monkeypatch):
     bb = tiny("tiny-llama")
-    monkeypatch.setattr(bench, "load_backbone", lambda name: bb)  # the shared instance, to check it after
+    monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: bb)  # the shared instance, to check it after
     before = snapshot(bb)
     path = tmp_path / "b.json"
     res = bench.main(["--backbone", "tiny-llama", "--repeats", "2", "--warmup", "0", "--seq-len", "16",
@@ -95,6 +95,48 @@ def test_measure_counts_and_warmup():
     assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
 
 
+def test_measure_waits_for_the_device_before_and_after_each_timed_call():
+    """On a GPU the kernels run asynchronously: the clock must start and stop on a synchronized device."""
+    log = []
+    bench.measure(lambda: log.append("call"), repeats=2, warmup=1, sync=lambda: log.append("sync"))
+    assert log == ["call", "sync", "call", "sync", "sync", "call", "sync"]
+    assert bench.synchronizer(torch.device("cuda")) is torch.cuda.synchronize   # looked up, not called
+    bench.synchronizer(torch.device("cpu"))()   # a no-op
+
+
+def test_device_and_dtype_reach_the_backbone_and_the_results(monkeypatch, capsys):
+    bb, asked = tiny("tiny-llama"), []
+    monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: asked.append(kw) or bb)
+    res = bench.main(["--backbone", "tiny-llama", "--repeats", "1", "--warmup", "0", "--seq-len", "8",
+                      "--batch-size", "2", "--device", "cpu", "--dtype", "float32"])
+    assert asked == [{"dtype": "float32", "device": "cpu"}]
+    assert res["device"] == "cpu" and res["dtype"] == "float32"
+    assert capsys.readouterr().out.startswith(f"Backbone tiny-llama: batch 2 x 8 tokens, median of 1 round-robin "
+                                              f"repeats (0 warmup), {torch.get_num_threads()} threads\n")
+    older = dict(res, device=None, dtype=None)   # pooled JSON from before train.bench recorded them
+    assert bench.format_table(older).split("\n")[0].endswith(f", {torch.get_num_threads()} threads")
+    gpu = dict(res, device="cuda:0 (NVIDIA H200)", dtype="bfloat16")
+    assert bench.format_table(gpu).startswith("Backbone tiny-llama: batch 2 x 8 tokens, median of 1 round-robin "
+                                              "repeats (0 warmup), cuda:0 (NVIDIA H200), bfloat16\n")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_every_row_runs_in_bfloat16():
+    """What a GPU user would time: the same rows with the backbone, capsule and PEFT prompts in bfloat16."""
+    res = bench.main(["--backbone", "tiny-llama", "--dtype", "bfloat16", "--repeats", "1", "--warmup", "0",
+                      "--seq-len", "8", "--batch-size", "2"])
+    assert res["dtype"] == "bfloat16" and [r["name"] for r in res["rows"]] == ROWS
+    assert all(t[0] > 0 for t in res["times"].values())
+
+
+def test_a_bad_device_or_dtype_is_refused_before_anything_loads():
+    for args, message in [(["--device", "nonsense"], "device 'nonsense' is not valid; give cpu, cuda"),
+                          (["--dtype", "float8"], "dtype='float8' is not valid; choose one of: float32"),
+                          (["--device", "cuda:7"], "device 'cuda:7' (is not available|does not exist)")]:
+        with pytest.raises(SystemExit, match=message):
+            bench.main(["--backbone", "tiny-llama", "--repeats", "1", *args])
+
+
 def test_round_robin_interleaves():
     order = []
     fns = {k: (lambda b, k=k: order.append((k, b))) for k in "abc"}
@@ -127,7 +169,7 @@ def test_bench_on_a_tasks_own_padded_batches(capsys, monkeypatch):
     """--task times the batches training builds (length buckets, padding), names their lengths, and fails
     before loading anything for an unknown task."""
     bb = tiny("tiny-llama")
-    monkeypatch.setattr(bench, "load_backbone", lambda name: bb)
+    monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: bb)
     res = bench.main(["--backbone", "tiny-llama", "--task", "rte", "--repeats", "2", "--warmup", "0",
                       "--batch-size", "3"])
     out = capsys.readouterr().out
@@ -165,7 +207,7 @@ def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monke
     """--pool re-reads --json runs: each round stays paired with its own floor, repeats add up, and runs
     of another set-up are refused by name."""
     bb = tiny("tiny-llama")
-    monkeypatch.setattr(bench, "load_backbone", lambda name: bb)
+    monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: bb)
     args = ["--backbone", "tiny-llama", "--repeats", "2", "--warmup", "0", "--seq-len", "8", "--batch-size", "2"]
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     runs = [bench.main(args + ["--json", str(p)]) for p in paths]
@@ -182,6 +224,10 @@ def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monke
     bench.main(args[:-2] + ["--batch-size", "3", "--json", str(other)])
     with pytest.raises(SystemExit, match="c.json is not a run of the same benchmark"):
         bench.main(["--pool", str(paths[0]), str(other)])
+    gpu = tmp_path / "gpu.json"   # the same set-up timed on another device
+    gpu.write_text(json.dumps(dict(runs[0], device="cuda:0 (NVIDIA H200)")))
+    with pytest.raises(SystemExit, match="gpu.json is not a run of the same benchmark.*device, dtype"):
+        bench.main(["--pool", str(paths[0]), str(gpu)])
     with pytest.raises(SystemExit, match="cannot read benchmark results"):
         bench.main(["--pool", str(tmp_path / "missing.json")])
     old = json.loads(paths[0].read_text())

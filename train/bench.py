@@ -3,6 +3,8 @@
     python -m train.bench --backbone smollm2-135m [--batch-size 8 --seq-len 128 --repeats 5 --warmup 1]
     python -m train.bench --backbone smollm2-135m --task rte      # the task's own training batches
     python -m train.bench --pool runs/b1.json runs/b2.json         # several --json runs' rounds as one
+    python -m train.bench --backbone Qwen/Qwen2.5-1.5B --device cuda --dtype bfloat16   # on a GPU (timed
+                                                                   # with the device synchronized)
 
 Training step = forward + backward + AdamW step (where there are parameters), on the same batches for
 every method, with one loss for all: log-softmax of the LM head at each row's last real token, two label
@@ -58,19 +60,29 @@ PEFT_ROWS = [("prompt-tuning", 20), ("prompt-tuning", 100), ("p-tuning-v2", 20),
 TARGETS = {"step": 1.03, "predict": 1.05}  # CaPT step <= 1.03x floor; prediction <= 1.05x without capsule
 
 
-def measure(fn, repeats: int, warmup: int) -> list[float]:
-    """Wall seconds (time.perf_counter) of each of `repeats` calls of fn(), after `warmup` untimed calls."""
+def measure(fn, repeats: int, warmup: int, sync=lambda: None) -> list[float]:
+    """Wall seconds (time.perf_counter) of each of `repeats` calls of fn(), after `warmup` untimed calls.
+    `sync` waits for the device's queued work (torch.cuda.synchronize on a GPU, whose kernels run
+    asynchronously): called before the clock starts and before it stops, so a call's time is its own."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return times
 
 
-def round_robin(fns: dict, batches: list, warmup: int) -> dict[str, list[float]]:
+def synchronizer(device: torch.device):
+    """What waits for `device`'s queued kernels: a no-op on the CPU, where every op finishes before it returns."""
+    accel = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return getattr(accel, "synchronize", None) or (lambda: None)
+
+
+def round_robin(fns: dict, batches: list, warmup: int, sync=lambda: None) -> dict[str, list[float]]:
     """Round r runs every fn once on batches[r], order rotated per round; the first `warmup` rounds
     are untimed. Returns each fn's times over the timed rounds."""
     names, times = list(fns), {name: [] for name in fns}
@@ -78,7 +90,7 @@ def round_robin(fns: dict, batches: list, warmup: int) -> dict[str, list[float]]
         k = r % len(names)
         for name in names[k:] + names[:k]:
             timed = r >= warmup
-            times[name] += measure(lambda: fns[name](batch), repeats=int(timed), warmup=int(not timed))
+            times[name] += measure(lambda: fns[name](batch), repeats=int(timed), warmup=int(not timed), sync=sync)
     return times
 
 
@@ -196,14 +208,14 @@ def task_batches(bb, task: str, n: int, batch_size: int, seed: int):
 
 
 def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int = 5, warmup: int = 1,
-          seed: int = 0, bb=None, task: str | None = None) -> dict:
+          seed: int = 0, bb=None, task: str | None = None, dtype: str = "float32", device: str | None = None) -> dict:
     """Run every method round-robin; returns the numbers `format_table` prints (and --json writes)."""
     from capt.peft_baselines import PeftMethod
 
     torch.manual_seed(seed)
     if task:
         get_task(task)  # an unknown task fails here, before the backbone loads
-    bb = bb or load_backbone(backbone)
+    bb = bb or load_backbone(backbone, dtype=dtype, device=device)
     if bb.encoder_decoder:
         raise CaptError("the benchmark covers decoder-only backbones; give e.g. smollm2-135m or tiny-llama")
     if min(batch_size, seq_len, repeats) < 1 or warmup < 0:
@@ -231,10 +243,11 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
         fns.update({"predict": predict_step(bb, None), "predict+capsule": predict_step(bb, capsule)})
         batches = (task_batches(bb, task, warmup + repeats, batch_size, seed) if task
                    else make_batches(bb, warmup + repeats, batch_size, seq_len, seed))
-        times = round_robin(fns, batches, warmup)
+        times = round_robin(fns, batches, warmup, synchronizer(bb.device))
     meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
             "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
-            "warmup": warmup, "threads": torch.get_num_threads()}
+            "warmup": warmup, "threads": torch.get_num_threads(), "device": describe_device(bb.device),
+            "dtype": str(bb.dtype).removeprefix("torch.")}
     return summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
 
 
@@ -268,7 +281,7 @@ def pool(paths: list[Path]) -> dict:
             runs.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise CaptError(f"cannot read benchmark results {path}: {e}") from e
-    same = ("backbone", "batch_size", "seq_len", "task", "threads")
+    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype")
     for path, r in zip(paths[1:], runs[1:]):
         if "times" not in r or [r.get(k) for k in same] != [runs[0].get(k) for k in same] \
                 or list(r["times"]) != list(runs[0]["times"]):
@@ -280,7 +293,8 @@ def pool(paths: list[Path]) -> dict:
         raise CaptError(f"{paths[0]} has no {', '.join(missing)} timings: an older train.bench wrote it; "
                         f"rerun the benchmark with this version to pool it")
     times = {name: [t for r in runs for t in r["times"][name]] for name in first["times"]}
-    meta = {k: first.get(k) for k in ("backbone", "batch_size", "seq_len", "task", "warmup", "threads")}
+    meta = {k: first.get(k) for k in ("backbone", "batch_size", "seq_len", "task", "warmup", "threads", "device",
+                                      "dtype")}
     meta.update(repeats=sum(r["repeats"] for r in runs), pooled=[str(p) for p in paths],
                 batch_lengths=sorted(n for r in runs for n in r.get("batch_lengths", [])))
     return summarize(times, {r["name"]: r["trainable"] for r in first["rows"]},
@@ -290,6 +304,13 @@ def pool(paths: list[Path]) -> dict:
 def paired_ratio(times: list[float], base: list[float]) -> float:
     """Median over rounds of times[r] / base[r] (both timed in round r, on the same batch)."""
     return statistics.median(t / b for t, b in zip(times, base))
+
+
+def describe_device(device: torch.device) -> str:
+    """'cpu', or e.g. 'cuda:0 (NVIDIA H200)'."""
+    if device.type == "cuda":
+        return f"{device.type}:{device.index or 0} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def format_table(res: dict) -> str:
@@ -303,7 +324,9 @@ def format_table(res: dict) -> str:
         shape = f"batch {res['batch_size']} x {res['seq_len']} tokens"
     rounds = (f"{res['repeats']} round-robin rounds pooled from {len(res['pooled'])} runs" if res.get("pooled")
               else f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup)")
-    lines = [f"Backbone {res['backbone']}: {shape}, {rounds}, {res['threads']} threads",
+    where = f"{res['threads']} threads" if res.get("device") in (None, "cpu") else res["device"]  # None: older JSON
+    where += f", {res['dtype']}" if res.get("dtype") not in (None, "float32") else ""
+    lines = [f"Backbone {res['backbone']}: {shape}, {rounds}, {where}",
              "", "| name | trainable params | median step s | x floor | x floor (medians) |",
              "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | "
@@ -333,12 +356,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task", help="time on this task's own training batches (e.g. rte) instead of random ids")
+    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    ap.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: print the table for these --json runs' rounds taken together")
     a = ap.parse_args(argv)
     try:
-        res = pool(a.pool) if a.pool else bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed, task=a.task)
+        res = pool(a.pool) if a.pool else bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed,
+                                                task=a.task, dtype=a.dtype, device=a.device)
     except CaptError as e:
         sys.exit(f"error: {e}")
     print(format_table(res))
