@@ -56,6 +56,14 @@ class ProbeResult:
     task: str
     seed: int
 
+    def table(self) -> str:
+        """Markdown: accuracy for each k, and the change from k = 0."""
+        base = self.accuracy[0]
+        rows = [f"| {k} | {100 * a:.1f} | {100 * (a - base):+.1f} |" for k, a in self.accuracy.items()]
+        return "\n".join([f"{self.task}: {self.n_examples} val examples (seed {self.seed}), k mean-pooled instance "
+                          f"tokens prepended at every capsule layer of {self.subject}, nothing trained", "",
+                          "| k | accuracy (%) | vs k = 0 (points) |", "|---:|---:|---:|", *rows])
+
 
 def probe_on_val(backbone: Backbone, task: Task, capsule: Capsule | None = None, n_examples: int = 32,
                  ks=PAPER_KS, seed: int = 0) -> ProbeResult:
@@ -70,7 +78,8 @@ def probe_on_val(backbone: Backbone, task: Task, capsule: Capsule | None = None,
     chosen = sorted({int(k) for k in ks or ()})
     if not chosen or not all(1 <= k <= MAX_K for k in chosen):
         raise CaptError(f"choose one or more numbers of pooled tokens in 1..{MAX_K} (the paper: {PAPER_KS})")
-    subject = "the given capsule"
+    fusion = capsule.config.fusion if capsule is not None else None
+    subject = "the given deep prompt (fusion='none')" if fusion == "none" else f"the given capsule (fusion='{fusion}')"
     if capsule is None:
         capsule = Capsule.for_backbone(backbone, CapsuleConfig(fusion="none"), n_labels=len(task.labels))  # W = 0
         subject = "an untrained deep prompt (W = 0: only the pooled tokens carry information)"

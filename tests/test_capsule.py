@@ -390,7 +390,7 @@ def test_probe_on_val_samples_the_val_split_and_checks_its_input():
     cap = random_capsule(bb, fusion="none")
     r = probe_on_val(bb, RTE, cap, n_examples=5, ks=[3, 1, 1], seed=7)
     sample = random.Random(7).sample(capt.load_examples(RTE, "val"), 5)  # the same seeded sample, k sorted, once
-    assert r.n_examples == 5 and r.task == "rte" and r.seed == 7 and r.subject == "the given capsule"
+    assert r.n_examples == 5 and r.task == "rte" and r.seed == 7 and r.subject == "the given deep prompt (fusion='none')"
     assert r.accuracy == pooled_token_probe(bb, RTE, sample, cap, ks=(0, 1, 3))
     bare = probe_on_val(bb, RTE, None, n_examples=4, ks=[1])
     assert "untrained deep prompt" in bare.subject and list(bare.accuracy) == [0, 1]

@@ -284,3 +284,29 @@ def test_two_processes_under_accelerate_launch(toy_csv, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
     capt.load_capsule(out / "capsule", tiny("tiny-llama"))
+
+
+def test_probe_cli_prints_and_saves_the_librarys_result(tmp_path, capsys):
+    import re
+
+    from capt.analysis import probe_on_val
+
+    bb, cb = capt.load_backbone("tiny-llama"), capt.get_task("cb")
+    cap = capt.Capsule.for_backbone(bb, capt.CapsuleConfig(fusion="none", init_std=0.5), seed=0)
+    capt.save_capsule(cap, tmp_path / "cap", bb, cb)
+    args = ["probe", "--backbone", "tiny-llama", "--capsule", str(tmp_path / "cap"), "--n-examples", "6",
+            "--ks", "2", "1", "--json", str(tmp_path / "p.json")]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    expected = probe_on_val(bb, cb, cap, n_examples=6, ks=(1, 2), seed=0)   # the task comes from the capsule
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([+-][\d.]+) \|$", out, re.M)
+    assert [(int(k), float(a)) for k, a, _ in rows] == [(k, round(100 * a, 1)) for k, a in expected.accuracy.items()]
+    assert out.startswith("cb: 6 val examples (seed 0)") and "deep prompt" in out
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["accuracy"] == {str(k): a for k, a in expected.accuracy.items()}
+    assert saved["command"] == "python -m train probe " + " ".join(args[1:]) and saved["backbone"] == "tiny-llama"
+    for bad, message in [([], "give --capsule, --task, or both"),
+                         (["--task", "cb", "--ks", "0"], "pooled tokens in 1..64"),
+                         (["--task", "cb", "--n-examples", "2"], "sample size 2 is out of range")]:
+        assert cli(["probe", "--backbone", "tiny-llama", *bad]) == 2
+        assert message in capsys.readouterr().err

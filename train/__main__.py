@@ -6,8 +6,10 @@
     python -m train compare --task cb --methods capt zero-shot majority linear-head p-tuning-v2
     python -m train --task sentiment --data-file reviews.csv --fields review --label-words pos=good neg=bad
     accelerate launch -m train --task boolq --backbone t5-base        # several GPUs, no code change
+    python -m train probe --capsule runs/cb/capt/capsule --n-examples 56   # the paper's training-free probe
 
-Everything it does is capt.training.train / train_seeds / compare; this file only parses arguments.
+Everything it does is capt.training.train / train_seeds / compare and capt.analysis.probe_on_val; this file
+only parses arguments.
 """
 from __future__ import annotations
 
@@ -15,10 +17,15 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
+from capt.analysis import PAPER_KS, probe_on_val
+from capt.backbones import load_backbone
 from capt.errors import CaptError
+from capt.io import load_capsule
 from capt.methods import METHODS
+from capt.tasks import get_task
 from capt.training import TrainConfig, compare, format_table, train_seeds
 
 
@@ -92,8 +99,45 @@ def config_from(args) -> TrainConfig:
         label_column=args.label_column, label_words=_pairs(args.label_words, "--label-words"), out_dir=args.out)
 
 
+def probe_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train probe", description=(
+        "The paper's training-free probe: accuracy on a seeded random sample of a task's val split with k "
+        "mean-pooled instance tokens prepended at every capsule layer of a trained capsule (the paper uses a "
+        "deep prompt: python -m train --method deep-prompt-1), or of an untrained deep prompt without --capsule."))
+    p.add_argument("--capsule", help="a capsule folder (e.g. runs/cb/capt/capsule or capsules/smollm2-135m/cb)")
+    p.add_argument("--task", help="a built-in task (default: the capsule's own)")
+    p.add_argument("--backbone", default="smollm2-135m")
+    p.add_argument("--n-examples", type=int, default=32, help="val examples in the sample (4..1000)")
+    p.add_argument("--ks", type=int, nargs="+", default=list(PAPER_KS), help="numbers of pooled tokens (1..64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="also write the result here")
+    return p
+
+
+def probe(argv: list[str]) -> int:
+    args = probe_parser().parse_args(argv)
+    try:
+        if not args.capsule and not args.task:
+            raise CaptError("give --capsule, --task, or both")
+        bb = load_backbone(args.backbone)
+        capsule, task = load_capsule(args.capsule, bb) if args.capsule else (None, None)
+        task = get_task(args.task) if args.task else task
+        result = probe_on_val(bb, task, capsule, args.n_examples, args.ks, args.seed)
+    except CaptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.table())
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**asdict(result), "capsule": args.capsule, "backbone": bb.name,
+                                         "command": "python -m train probe " + shlex.join(argv)}, indent=2) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "probe":
+        return probe(argv[1:])
     compare_mode = bool(argv) and argv[0] == "compare"
     args = parser(compare_mode).parse_args(argv[1:] if compare_mode else argv)
     try:
