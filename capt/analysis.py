@@ -52,7 +52,7 @@ def pooled_token_probe(backbone: Backbone, task: Task, examples: list[dict], cap
 class ProbeResult:
     accuracy: dict[int, float]   # k -> accuracy; k = 0 is the probed capsule as it is
     n_examples: int
-    subject: str                 # what was probed: "the given capsule" or the untrained deep prompt
+    subject: str                 # what was probed: the given capsule (named by its fusion) or the untrained deep prompt
     task: str
     seed: int
 

@@ -294,7 +294,7 @@ def test_probe_cli_prints_and_saves_the_librarys_result(tmp_path, capsys):
     bb, cb = capt.load_backbone("tiny-llama"), capt.get_task("cb")
     cap = capt.Capsule.for_backbone(bb, capt.CapsuleConfig(fusion="none", init_std=0.5), seed=0)
     capt.save_capsule(cap, tmp_path / "cap", bb, cb)
-    args = ["probe", "--backbone", "tiny-llama", "--capsule", str(tmp_path / "cap"), "--n-examples", "6",
+    args = ["probe", "--capsule", str(tmp_path / "cap"), "--n-examples", "6",   # its backbone and task by default
             "--ks", "2", "1", "--json", str(tmp_path / "p.json")]
     assert cli(args) == 0
     out = capsys.readouterr().out
@@ -310,3 +310,6 @@ def test_probe_cli_prints_and_saves_the_librarys_result(tmp_path, capsys):
                          (["--task", "cb", "--n-examples", "2"], "sample size 2 is out of range")]:
         assert cli(["probe", "--backbone", "tiny-llama", *bad]) == 2
         assert message in capsys.readouterr().err
+    capt.save_capsule(cap, tmp_path / "bare", bb)   # saved without a task
+    assert cli(["probe", "--capsule", str(tmp_path / "bare")]) == 2
+    assert "was saved without a task; give --task (one of boolq, cb" in capsys.readouterr().err

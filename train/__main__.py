@@ -23,9 +23,9 @@ from pathlib import Path
 from capt.analysis import PAPER_KS, probe_on_val
 from capt.backbones import load_backbone
 from capt.errors import CaptError
-from capt.io import load_capsule
+from capt.io import load_capsule, read_config
 from capt.methods import METHODS
-from capt.tasks import get_task
+from capt.tasks import TASKS, get_task
 from capt.training import TrainConfig, compare, format_table, train_seeds
 
 
@@ -106,7 +106,7 @@ def probe_parser() -> argparse.ArgumentParser:
         "deep prompt: python -m train --method deep-prompt-1), or of an untrained deep prompt without --capsule."))
     p.add_argument("--capsule", help="a capsule folder (e.g. runs/cb/capt/capsule or capsules/smollm2-135m/cb)")
     p.add_argument("--task", help="a built-in task (default: the capsule's own)")
-    p.add_argument("--backbone", default="smollm2-135m")
+    p.add_argument("--backbone", help="default: the capsule's own backbone, else smollm2-135m")
     p.add_argument("--n-examples", type=int, default=32, help="val examples in the sample (4..1000)")
     p.add_argument("--ks", type=int, nargs="+", default=list(PAPER_KS), help="numbers of pooled tokens (1..64)")
     p.add_argument("--seed", type=int, default=0)
@@ -119,9 +119,12 @@ def probe(argv: list[str]) -> int:
     try:
         if not args.capsule and not args.task:
             raise CaptError("give --capsule, --task, or both")
-        bb = load_backbone(args.backbone)
+        own = read_config(args.capsule)["backbone"]["name"] if args.capsule else "smollm2-135m"
+        bb = load_backbone(args.backbone or own)
         capsule, task = load_capsule(args.capsule, bb) if args.capsule else (None, None)
         task = get_task(args.task) if args.task else task
+        if task is None:
+            raise CaptError(f"{args.capsule} was saved without a task; give --task (one of {', '.join(TASKS)})")
         result = probe_on_val(bb, task, capsule, args.n_examples, args.ks, args.seed)
     except CaptError as e:
         print(f"error: {e}", file=sys.stderr)
