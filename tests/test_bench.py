@@ -129,6 +129,30 @@ def test_every_row_runs_in_bfloat16():
     assert all(t[0] > 0 for t in res["times"].values())
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_profile_names_the_ops_behind_the_difference(tmp_path, capsys, monkeypatch):
+    """--profile: each profiled row's own op times per step; the capsule's slot write shows up in capt only."""
+    bb = tiny("tiny-llama")
+    monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: bb)
+    res = bench.main(["--backbone", "tiny-llama", "--repeats", "2", "--warmup", "1", "--seq-len", "8",
+                      "--batch-size", "2", "--profile", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    ops = res["profile"]
+    assert list(ops) == list(bench.PROFILED) and json.loads((tmp_path / "p.json").read_text())["profile"] == ops
+    assert ops["capt"]["aten::index_put_"] > 0 and "aten::index_put_" not in ops["floor"]
+    assert ops["capt"]["Optimizer.step#AdamW.step"] > 0 and "Optimizer.step#AdamW.step" not in ops["floor"]
+    header = "| op: own time per step, ms (torch.profiler) | floor | floor-plus-1 | capt-layer0 | capt | capt - floor |"
+    assert header in out
+    total = re.search(r"^\| \*\*all ops\*\* \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| ([+-][\d.]+) \|$", out, re.M)
+    assert total and float(total[1]) == pytest.approx(sum(ops["floor"].values()), abs=0.06)
+    assert float(total[3]) == pytest.approx(float(total[2]) - float(total[1]), abs=0.11)
+    rows = re.findall(r"^\| (aten::\S+|[\w:#.]+) \| .* \| ([+-][\d.]+) \|$", out, re.M)
+    diffs = [abs(float(d)) for name, d in rows if name != "**all ops**"]
+    assert diffs == sorted(diffs, reverse=True) and len(diffs) == 15   # the largest differences first
+    assert "profile" not in bench.main(["--backbone", "tiny-llama", "--repeats", "1", "--warmup", "0",
+                                        "--seq-len", "8", "--batch-size", "2"])
+
+
 def test_a_bad_device_or_dtype_is_refused_before_anything_loads():
     for args, message in [(["--device", "nonsense"], "device 'nonsense' is not valid; give cpu, cuda"),
                           (["--dtype", "float8"], "dtype='float8' is not valid; choose one of: float32"),

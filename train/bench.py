@@ -208,7 +208,8 @@ def task_batches(bb, task: str, n: int, batch_size: int, seed: int):
 
 
 def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int = 5, warmup: int = 1,
-          seed: int = 0, bb=None, task: str | None = None, dtype: str = "float32", device: str | None = None) -> dict:
+          seed: int = 0, bb=None, task: str | None = None, dtype: str = "float32", device: str | None = None,
+          profile: bool = False) -> dict:
     """Run every method round-robin; returns the numbers `format_table` prints (and --json writes)."""
     from capt.peft_baselines import PeftMethod
 
@@ -244,11 +245,53 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
         batches = (task_batches(bb, task, warmup + repeats, batch_size, seed) if task
                    else make_batches(bb, warmup + repeats, batch_size, seq_len, seed))
         times = round_robin(fns, batches, warmup, synchronizer(bb.device))
+        ops = profile_ops(fns, batches[warmup:], bb.device) if profile else None
     meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
             "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
             "warmup": warmup, "threads": torch.get_num_threads(), "device": describe_device(bb.device),
             "dtype": str(bb.dtype).removeprefix("torch.")}
-    return summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
+    res = summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
+    return {**res, "profile": ops} if ops else res
+
+
+PROFILED = ("floor", "floor-plus-1", "capt-layer0", "capt")
+
+
+def profile_ops(fns: dict, batches: list, device: torch.device, names=PROFILED) -> dict[str, dict[str, float]]:
+    """Milliseconds per step of each op's own time (torch.profiler; on a GPU its kernels' device time), for
+    each of `names` on every batch, order rotated per batch. These steps come after the timed rounds and are
+    not timed: the profiler's own cost would distort the ratios."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    total = {name: {} for name in names}
+    for r, batch in enumerate(batches):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            with profile(activities=activities) as prof:
+                fns[name](batch)
+                synchronizer(device)()
+            for e in prof.key_averages():
+                us = e.self_device_time_total if gpu else e.self_cpu_time_total
+                if us:
+                    total[name][e.key] = total[name].get(e.key, 0.0) + us / 1e3 / len(batches)
+    return total
+
+
+def format_profile(ops: dict[str, dict[str, float]], top: int = 15) -> str:
+    """The ops whose time per step differs most between capt and the floor, and every profiled row's total."""
+    names = list(ops)
+    keys = set().union(*map(set, ops.values()))
+    diff = {key: ops["capt"].get(key, 0.0) - ops["floor"].get(key, 0.0) for key in keys}
+    lines = ["| op: own time per step, ms (torch.profiler) | " + " | ".join(names) + " | capt - floor |",
+             "|---" + "|---:" * (len(names) + 1) + "|"]
+    for key in sorted(keys, key=lambda k: -abs(diff[k]))[:top]:
+        lines.append(f"| {key} | " + " | ".join(f"{ops[n].get(key, 0.0):.2f}" for n in names) + f" | {diff[key]:+.2f} |")
+    totals = {n: sum(ops[n].values()) for n in names}
+    lines.append("| **all ops** | " + " | ".join(f"{totals[n]:.1f}" for n in names)
+                 + f" | {totals['capt'] - totals['floor']:+.1f} |")
+    return "\n".join(lines)
 
 
 SUMMARY_READS = ("floor", "capt", "floor-plus-1", "capt-layer0", "predict", "predict+capsule")  # rows summarize needs
@@ -358,16 +401,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--task", help="time on this task's own training batches (e.g. rte) instead of random ids")
     ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     ap.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile floor, floor-plus-1, capt-layer0 and capt on the same batches (after the "
+                         "timing, untimed) and print the ops that make their difference")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: print the table for these --json runs' rounds taken together")
     a = ap.parse_args(argv)
     try:
         res = pool(a.pool) if a.pool else bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed,
-                                                task=a.task, dtype=a.dtype, device=a.device)
+                                                task=a.task, dtype=a.dtype, device=a.device, profile=a.profile)
     except CaptError as e:
         sys.exit(f"error: {e}")
     print(format_table(res))
+    if res.get("profile"):
+        print("\n" + format_profile(res["profile"]))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=2) + "\n")
