@@ -90,14 +90,12 @@ def attention(backbone: Backbone, text: str, capsule: Capsule | None = None,
             out, inp = run(backbone, capsule, input_ids, mask, output_attentions=True, prefix=prefix)
         finally:
             model.set_attn_implementation(previous)
-    maps = None   # (L, H, T', T'), filled layer by layer and each layer's tensor dropped: no second full copy
-    layers = list(out.attentions)
+    layers = list(out.attentions)   # L tensors (1, H, T', T')
     del out
-    for i in range(len(layers)):
-        a, layers[i] = layers[i][0], None
-        maps = np.empty((len(layers), *a.shape), np.float32) if maps is None else maps
-        maps[i] = a.float().cpu().numpy()
-        del a
+    maps = np.empty((len(layers), *layers[0].shape[1:]), np.float32)   # filled layer by layer, each layer's
+    for i in range(len(layers)):                                        # tensor dropped: no second full copy
+        maps[i] = layers[i][0].float().cpu().numpy()
+        layers[i] = None
 
     words = [tok.decode([i]) for i in ids]
     if prefix is not None:

@@ -122,9 +122,8 @@ def check_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise CaptError(f"device {device!r} is not valid; give cpu, cuda, cuda:1, mps, ...") from None
-    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
-                 "mps": lambda: torch.backends.mps.is_available()}.get(dev.type, lambda: True)
-    if not available():
+    missing = {"cuda": not torch.cuda.is_available(), "mps": not torch.backends.mps.is_available()}
+    if missing.get(dev.type, False):
         raise CaptError(f"device {device!r} is not available on this machine; use cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise CaptError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")

@@ -24,8 +24,8 @@ from .seeding import seeded
 from .files import atomic_folder
 from .io import task_to_dict
 from .methods import Method
-from .scoring import (Scores, _last_real, check_batch, encode_prompts, label_rows, label_tokens, pad, t5_targets,
-                      t5_totals)
+from .scoring import (Scores, _device, _last_real, check_batch, encode_prompts, label_rows, label_tokens, pad,
+                      t5_targets, t5_totals)
 from .tasks import Rendered, Task
 
 KINDS = ("prompt-tuning", "p-tuning-v2")
@@ -121,7 +121,7 @@ class PeftMethod(Method):
         prompt is repeated once per label (C encoder passes instead of capt.scoring's one)."""
         tok, bb = self.bb.tokenizer, self.bb
         prompts, dropped = encode_prompts(bb, None, [r.prompt for r in rendered], reserve=self.m)
-        ids, mask = (t.to(bb.device) for t in pad(prompts, tok.pad_token_id, "right"))
+        ids, mask = _device(bb, *pad(prompts, tok.pad_token_id, "right"))
         C = len(rendered[0].choices)
         tgt, tmask, dec_in = t5_targets(bb, rendered)
         with bb.lock:

@@ -266,9 +266,9 @@ def profile_ops(fns: dict, batches: list, device: torch.device, names=PROFILED) 
     gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     total = {name: {} for name in names}
-    for r, batch in enumerate(batches):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+
+    def profiled(name):
+        def step(batch):
             with profile(activities=activities) as prof:
                 fns[name](batch)
                 synchronizer(device)()
@@ -276,6 +276,9 @@ def profile_ops(fns: dict, batches: list, device: torch.device, names=PROFILED) 
                 us = e.self_device_time_total if gpu else e.self_cpu_time_total
                 if us:
                     total[name][e.key] = total[name].get(e.key, 0.0) + us / 1e3 / len(batches)
+        return step
+
+    round_robin({name: profiled(name) for name in names}, batches, warmup=0)
     return total
 
 
