@@ -16,6 +16,7 @@ import math
 import os
 import random
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -256,7 +257,8 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     summary = {"config": asdict(cfg), "method": cfg.method, "task": data.task.name, "backbone": bb.name,
                "backbone_revision": bb.revision, "data": data.note, "n_train": len(data.train),
                "n_dev": len(data.dev), "n_test": len(data.test), "n_trainable": method.n_trainable(),
-               "backbone_params": bb.n_params, "device": str(bb.device), "selection_metric": key}
+               "backbone_params": bb.n_params, "device": str(bb.device), "selection_metric": key,
+               "code": code_revision()}
 
     params = [p for p in method.parameters() if p.requires_grad]
     state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
@@ -284,6 +286,33 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
         run.log({"kind": "done", "test": test, "dev": dev})
     emit({"kind": "done", **summary})
     return summary
+
+
+def code_revision() -> dict:
+    """What produced a run, for rerunning it bit for bit: library versions, torch's thread count (CPU matrix
+    products round differently with another count) and, in a git checkout, the commit and whether the
+    library or CLI had uncommitted edits. A later commit may change results in the last bits (an equivalent
+    but reordered computation), and at lr 3e-2 a hundred steps carry such bits into a different capsule."""
+    import transformers
+
+    from . import __version__
+
+    out = {"capt": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+           "threads": torch.get_num_threads(), "commit": None, "dirty": None}
+    root = Path(__file__).resolve().parent.parent
+    try:
+        git = ["git", "-C", str(root)]
+        top, commit = subprocess.run(git + ["rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                                     text=True, timeout=10, check=True).stdout.split()
+        if Path(top).resolve() != root:   # capt installed inside some other repository: not our commit
+            return out
+        out["commit"] = commit
+        status = subprocess.run(git + ["status", "--porcelain", "--", "capt", "train"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout
+        out["dirty"] = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):   # no git, or an installed copy outside a checkout
+        pass
+    return out
 
 
 def train_in_chunks(cfg: TrainConfig, run_chunk: Callable[[TrainConfig, bool], dict], chunk_seconds: float,

@@ -68,6 +68,24 @@ def test_loss_goes_down_on_a_learnable_task(toy_csv, tmp_path):
     assert summary["test"]["accuracy"] == 1.0
 
 
+def test_the_same_seed_trains_the_same_capsule_bit_for_bit(toy_csv, tmp_path):
+    """A seeded run is repeatable (fresh backbone each time): the capsule, the losses and the chosen step;
+    another seed trains another capsule. The summary names the code that did it."""
+    def run(seed, name):
+        losses = []
+        s = train(toy(toy_csv, tmp_path, max_steps=6, seed=seed, out_dir=str(tmp_path / name)), tiny("tiny-llama"),
+                  callback=lambda e: e["kind"] == "step" and losses.append(e["loss"]), progress=False)
+        return s, losses, load_file(tmp_path / name / "capsule" / "capsule.safetensors")["weight"]
+
+    (a, la, wa), (b, lb, wb), (c, _, wc) = run(0, "a"), run(0, "b"), run(1, "c")
+    assert torch.equal(wa, wb) and la == lb and a["best_step"] == b["best_step"] and a["test"] == b["test"]
+    assert not torch.equal(wa, wc)
+    code = a["code"]
+    assert code["capt"] == capt.__version__ and code["torch"] == torch.__version__
+    assert code["threads"] == torch.get_num_threads()
+    assert code["commit"] is None or (len(code["commit"]) == 40 and isinstance(code["dirty"], bool))
+
+
 def test_callback_reports_progress(toy_csv, tmp_path):
     events = []
     train(toy(toy_csv, tmp_path, max_steps=4), callback=events.append, progress=False)
@@ -246,6 +264,9 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     shipped = tmp_path / "shipped" / "toy"
     text = (shipped / "README.md").read_text()
     assert "python -m train compare" in text and "| zero-shot |" in text and "| majority |" in text
+    code = json.loads((run / "capt" / "summary.json").read_text())["code"]
+    where = f"commit {code['commit'][:10]}" if code["commit"] else "outside a git checkout"
+    assert f"- Code: capt {capt.__version__} ({where}" in text and f"{code['threads']} torch threads" in text
     capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
     assert task.name == "toy"
     capsys.readouterr()

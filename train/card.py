@@ -82,7 +82,7 @@ capt.predict(bb, task, example, capsule=capsule)
   test examples.
 - Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
   batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else DEFAULT_LR[summary['method']]}, seed
-  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.
+  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.{_code(summary)}
 
 ## Test results (same split, same loop, `python -m train compare`)
 
@@ -121,6 +121,18 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
                  f"{100 / summary['n_test']:.1f} points. One seed ({cfg['seed']}).")
     notes += extra   # what the person shipping it adds (--note): what was tried, what was not
     return "\n".join(f"- {n}" for n in notes)
+
+
+def _code(summary: dict) -> str:
+    """The code that trained it (runs made before summaries recorded it have no line)."""
+    code = summary.get("code")
+    if not code:
+        return ""
+    where = (f"commit {code['commit'][:10]}" + (" with uncommitted edits to capt/ or train/" if code["dirty"] else "")
+             if code.get("commit") else "outside a git checkout")
+    return (f"\n- Code: capt {code['capt']} ({where}), transformers {code['transformers']}, {code['threads']} "
+            "torch threads. Rerunning the command with this code and thread count gives this capsule bit for bit; "
+            "other code may round differently and, over many steps, train a different capsule.")
 
 
 def _machine() -> str:
