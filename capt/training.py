@@ -258,7 +258,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
                "backbone_revision": bb.revision, "data": data.note, "n_train": len(data.train),
                "n_dev": len(data.dev), "n_test": len(data.test), "n_trainable": method.n_trainable(),
                "backbone_params": bb.n_params, "device": str(bb.device), "selection_metric": key,
-               "code": code_revision()}
+               "code": CODE}
 
     params = [p for p in method.parameters() if p.requires_grad]
     state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
@@ -289,7 +289,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
 
 
 def code_revision() -> dict:
-    """What produced a run, for rerunning it bit for bit: library versions, torch's thread count (CPU matrix
+    """What produced a run (taken once, when this module is imported: the code this process runs), for rerunning it bit for bit: library versions, torch's thread count (CPU matrix
     products round differently with another count) and, in a git checkout, the commit and whether the
     library or CLI had uncommitted edits. A later commit may change results in the last bits (an equivalent
     but reordered computation), and at lr 3e-2 a hundred steps carry such bits into a different capsule."""
@@ -313,6 +313,9 @@ def code_revision() -> dict:
     except (OSError, subprocess.SubprocessError):   # no git, or an installed copy outside a checkout
         pass
     return out
+
+
+CODE = code_revision()
 
 
 def train_in_chunks(cfg: TrainConfig, run_chunk: Callable[[TrainConfig, bool], dict], chunk_seconds: float,

@@ -77,7 +77,7 @@ def test_the_same_seed_trains_the_same_capsule_bit_for_bit(toy_csv, tmp_path):
                   callback=lambda e: e["kind"] == "step" and losses.append(e["loss"]), progress=False)
         return s, losses, load_file(tmp_path / name / "capsule" / "capsule.safetensors")["weight"]
 
-    (a, la, wa), (b, lb, wb), (c, _, wc) = run(0, "a"), run(0, "b"), run(1, "c")
+    (a, la, wa), (b, lb, wb), (_, _, wc) = run(0, "a"), run(0, "b"), run(1, "c")
     assert torch.equal(wa, wb) and la == lb and a["best_step"] == b["best_step"] and a["test"] == b["test"]
     assert not torch.equal(wa, wc)
     code = a["code"]
