@@ -561,6 +561,7 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], f"{r['trainable']:,}", f"{r['share_percent']:.4f}", f"{r['train_seconds']:.0f}"]
-        cells += [f"{100 * r[k]:.1f}" for k in metric_keys]
+        cells += [f"{100 * r[k]:.1f}" + (f" ± {100 * r[k + '_std']:.1f}" if k + "_std" in r else "")
+                  for k in metric_keys]   # mean ± std over seeds
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -266,13 +266,39 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     assert "python -m train compare" in text and "| zero-shot |" in text and "| majority |" in text
     code = json.loads((run / "capt" / "summary.json").read_text())["code"]
     where = f"commit {code['commit'][:10]}" if code["commit"] else "outside a git checkout"
-    assert f"- Code: capt {capt.__version__} ({where}" in text and f"{code['threads']} torch threads" in text
+    assert f"- Code: capt {capt.__version__} ({where}" in text and f"torch threads: {code['threads']}." in text
     capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
     assert task.name == "toy"
     capsys.readouterr()
     assert card([str(tmp_path / "shipped"), "--table"]) == 0
     table = capsys.readouterr().out
     assert table.startswith("| task | metric | capt | zero-shot | majority |") and "| toy | accuracy |" in table
+
+
+def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
+    """With --seeds the card's table gives mean ± std per method, ships the seed best on dev and says so."""
+    from train.card import main as card
+
+    run = tmp_path / "cmp"
+    assert cli(["compare", "--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields",
+                "text", "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "3", "--eval-every",
+                "1", "--quiet", "--methods", "capt", "majority", "--seeds", "0", "1", "2", "--out", str(run)]) == 0
+    printed = capsys.readouterr().out
+    capt_summary = json.loads((run / "capt" / "summary.json").read_text())
+    mean, std = capt_summary["test"]["accuracy"], capt_summary["test"]["accuracy_std"]
+    assert "| capt | 128 | 0.0000 |" not in printed and f"{100 * mean:.1f} ± {100 * std:.1f} |" in printed
+    assert card([str(run), "--to", str(tmp_path / "shipped")]) == 0
+    text = (tmp_path / "shipped" / "README.md").read_text()
+    best = capt_summary["best_seed"]
+    shipped = next(r for r in capt_summary["runs"] if r["config"]["seed"] == best)
+    assert max(r["dev"]["accuracy"] for r in capt_summary["runs"]) == shipped["dev"]["accuracy"]
+    assert "| capt | 128 | " in text and f"| 3 | {100 * mean:.1f} ± {100 * std:.1f} |" in text
+    assert "| majority | 0 | 0 | 0 | " in text   # untrained: the same every seed
+    assert "CaPT beats majority class on this split" in text or "CaPT does NOT beat majority" in text
+    assert f"Seeds 0, 1, 2 trained alike; shipped: seed {best}, the best on dev" in text
+    assert f"which scored {100 * shipped['test']['accuracy']:.1f} on test" in text and "One seed" not in text
+    saved = json.loads((tmp_path / "shipped" / "capsule.json").read_text())
+    assert saved["metrics"] == shipped["test"] and saved["training"]["config"]["seed"] == best
 
 
 def test_readme_results_table_is_the_shipped_capsules_own():

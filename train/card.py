@@ -36,23 +36,30 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
     head = "| method | trainable params | train time (s) | steps | " + " | ".join(k[5:] for k in metric_keys) + " |"
     table = [head, "|" + "---|" * (4 + len(metric_keys))]
     for r in rows:
-        table.append(f"| {r['method']} | {r['trainable']:,} | {r['train_seconds']:.0f} | {steps.get(r['method'], '-')} | "
-                     + " | ".join(_pct(r[k]) for k in metric_keys) + " |")
+        table.append(f"| {r['method']} | {r['trainable']:,} | {r['train_seconds']:.0f} | {_steps(steps.get(r['method']))} | "
+                     + " | ".join(_cell(r, k) for k in metric_keys) + " |")
+    seeds = summary.get("seeds")
+    if seeds:   # several seeds: the shipped capsule is the one best on dev; its own run describes the training
+        shipped = next(r for r in summary["runs"] if r["config"]["seed"] == summary["best_seed"])
+        summary = {**shipped, "n_test": summary["n_test"], "seeds": seeds, "test_mean": summary["test"]}
     cfg = summary["config"]
     capt_row = next(r for r in rows if r["method"] == "capt")
     primary = "test_f1a" if "test_f1a" in metric_keys else metric_keys[0]   # MultiRC: F1 over answers (official)
     beats = [r["method"] for r in rows if r["method"] in ("zero-shot", "majority")
              and capt_row[primary] <= r[primary]]
     on = f" on {primary[5:]}" if primary != metric_keys[0] else ""
-    verdict = (f"CaPT beats zero-shot and majority class{on} on this split." if not beats else
+    free = " and ".join(r["method"].replace("majority", "majority class") for r in rows
+                        if r["method"] in ("zero-shot", "majority"))
+    verdict = (f"CaPT beats {free}{on} on this split." if not beats else
                f"CaPT does NOT beat {' and '.join(beats)}{on} on this split (see the notes below).")
     best_free = max((r for r in rows if r["method"] in ("zero-shot", "majority")), key=lambda r: r[primary],
                     default=None)
     if not beats and best_free is not None and primary == "test_accuracy":
         margin = round((capt_row[primary] - best_free[primary]) * summary["n_test"])
         if margin <= 2:   # a margin this small is within one seed's noise
-            verdict += (f" The margin over {best_free['method']} is {margin} test example{'s' * (margin != 1)}: "
-                        "within the noise of one seed, so read it as a tie.")
+            verdict += (f" The margin over {best_free['method']} is {margin} test example{'s' * (margin != 1)}"
+                        + (" on average over the seeds" if seeds else "")
+                        + ": within the noise of one seed, so read it as a tie.")
     options = {k: v for k, v in cfg["capsule"].items()} or "defaults (add fusion, slot, all layers, verbalizer)"
     return f"""---
 library_name: capt
@@ -82,7 +89,7 @@ capt.predict(bb, task, example, capsule=capsule)
   test examples.
 - Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
   batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else DEFAULT_LR[summary['method']]}, seed
-  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.{_code(summary)}
+  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.{_seeds(summary, primary)}{_code(summary)}
 
 ## Test results (same split, same loop, `python -m train compare`)
 
@@ -117,10 +124,36 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
                      "numbers on the full split will differ.")
     if ahead:
         notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
+    seeds = summary.get("seeds")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
-                 f"{100 / summary['n_test']:.1f} points. One seed ({cfg['seed']}).")
+                 f"{100 / summary['n_test']:.1f} points. "
+                 + (f"Seeds {', '.join(map(str, seeds))}: the table gives mean ± standard deviation over them "
+                    "(population, as numpy's std) and the train time of all of them together." if seeds
+                    else f"One seed ({cfg['seed']})."))
     notes += extra   # what the person shipping it adds (--note): what was tried, what was not
     return "\n".join(f"- {n}" for n in notes)
+
+
+def _cell(row: dict, key: str) -> str:
+    std = row.get(key + "_std")
+    return _pct(row[key]) + (f" ± {_pct(std)}" if std is not None else "")
+
+
+def _steps(steps) -> str:
+    """A run's step count, or each seed's when they differ (early stopping)."""
+    if isinstance(steps, list):
+        return str(steps[0]) if len(set(steps)) == 1 else "/".join(map(str, steps))
+    return "-" if steps is None else str(steps)
+
+
+def _seeds(summary: dict, primary: str) -> str:
+    """With several seeds: which one is shipped and what it scored alone."""
+    if not summary.get("seeds"):
+        return ""
+    key = primary[5:]
+    return (f"\n- Seeds {', '.join(map(str, summary['seeds']))} trained alike; shipped: seed {summary['config']['seed']}, "
+            f"the best on dev ({_pct(summary['dev'][key])}), which scored {_pct(summary['test'][key])} on test "
+            f"(mean over the seeds {_pct(summary['test_mean'][key])}, the number in the table).")
 
 
 def _code(summary: dict) -> str:
@@ -130,8 +163,8 @@ def _code(summary: dict) -> str:
         return ""
     where = (f"commit {code['commit'][:10]}" + (" with uncommitted edits to capt/ or train/" if code["dirty"] else "")
              if code.get("commit") else "outside a git checkout")
-    return (f"\n- Code: capt {code['capt']} ({where}), transformers {code['transformers']}, {code['threads']} "
-            "torch threads. Rerunning the command with this code and thread count gives this capsule bit for bit; "
+    return (f"\n- Code: capt {code['capt']} ({where}), transformers {code['transformers']}, torch threads: "
+            f"{code['threads']}. Rerunning the command with this code and thread count gives this capsule bit for bit; "
             "other code may round differently and, over many steps, train a different capsule.")
 
 
@@ -153,7 +186,7 @@ def results_table(folder: Path) -> str:
         compare = json.loads((run / "results.json").read_text())
         rows = {r["method"]: r for r in compare["rows"]}
         metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
-        cells = [f"{100 * rows[m]['test_' + metric]:.1f}" if m in rows else "-" for m in methods]
+        cells = [_cell(rows[m], "test_" + metric) if m in rows else "-" for m in methods]   # mean ± std: seeds
         minutes = rows["capt"]["train_seconds"] / 60
         budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
         budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
