@@ -135,7 +135,7 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
 
 
 def _cell(row: dict, key: str) -> str:
-    std = row.get(key + "_std")
+    std = row.get(key + "_std") if row["method"] not in ("zero-shot", "majority") else None   # no seed in those
     return _pct(row[key]) + (f" ± {_pct(std)}" if std is not None else "")
 
 
