@@ -289,10 +289,11 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
 
 
 def code_revision() -> dict:
-    """What produced a run (taken once, when this module is imported: the code this process runs), for rerunning it bit for bit: library versions, torch's thread count (CPU matrix
+    """What produced a run, for rerunning it bit for bit: library versions, torch's thread count (CPU matrix
     products round differently with another count) and, in a git checkout, the commit and whether the
-    library or CLI had uncommitted edits. A later commit may change results in the last bits (an equivalent
-    but reordered computation), and at lr 3e-2 a hundred steps carry such bits into a different capsule."""
+    library or CLI had uncommitted edits. Taken once, when this module is imported (the code this process
+    runs). A later commit may change results in the last bits (an equivalent but reordered computation),
+    and at lr 3e-2 a hundred steps carry such bits into a different capsule."""
     import transformers
 
     from . import __version__
@@ -561,7 +562,7 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], f"{r['trainable']:,}", f"{r['share_percent']:.4f}", f"{r['train_seconds']:.0f}"]
-        cells += [f"{100 * r[k]:.1f}" + (f" ± {100 * r[k + '_std']:.1f}" if k + "_std" in r else "")
-                  for k in metric_keys]   # mean ± std over seeds
+        cells += [f"{100 * r[k]:.1f}" + (f" ± {100 * r[k + '_std']:.1f}" if k + "_std" in r and r["method"]
+                                          in TRAINABLE else "") for k in metric_keys]   # mean ± std over seeds
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -288,6 +288,7 @@ def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
     capt_summary = json.loads((run / "capt" / "summary.json").read_text())
     mean, std = capt_summary["test"]["accuracy"], capt_summary["test"]["accuracy_std"]
     assert "| capt | 128 | 0.0000 |" not in printed and f"{100 * mean:.1f} ± {100 * std:.1f} |" in printed
+    assert re.search(r"^\| majority \| 0 \| 0\.0000 \| 0 \| [\d.]+ \|$", printed, re.M)   # untrained: no ±
     assert card([str(run), "--to", str(tmp_path / "shipped")]) == 0
     text = (tmp_path / "shipped" / "README.md").read_text()
     best = capt_summary["best_seed"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from capt.files import atomic_folder
+from capt.methods import TRAINABLE
 from capt.training import DEFAULT_LR
 
 
@@ -135,7 +136,7 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
 
 
 def _cell(row: dict, key: str) -> str:
-    std = row.get(key + "_std") if row["method"] not in ("zero-shot", "majority") else None   # no seed in those
+    std = row.get(key + "_std") if row["method"] in TRAINABLE else None   # zero-shot, majority: no seed enters
     return _pct(row[key]) + (f" ± {_pct(std)}" if std is not None else "")
 
 
