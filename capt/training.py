@@ -562,7 +562,13 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], f"{r['trainable']:,}", f"{r['share_percent']:.4f}", f"{r['train_seconds']:.0f}"]
-        cells += [f"{100 * r[k]:.1f}" + (f" ± {100 * r[k + '_std']:.1f}" if k + "_std" in r and r["method"]
-                                          in TRAINABLE else "") for k in metric_keys]   # mean ± std over seeds
+        cells += [metric_cell(r, k) for k in metric_keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def metric_cell(row: dict, key: str) -> str:
+    """A compare row's metric as a percentage, with ± its std over seeds when a trained method has one
+    (zero-shot and majority: no seed enters them)."""
+    std = row.get(key + "_std") if row["method"] in TRAINABLE else None
+    return f"{100 * row[key]:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")

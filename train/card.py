@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from capt.files import atomic_folder
-from capt.methods import TRAINABLE
-from capt.training import DEFAULT_LR
+from capt.training import DEFAULT_LR, metric_cell
 
 
 def _pct(x: float) -> str:
@@ -38,7 +37,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
     table = [head, "|" + "---|" * (4 + len(metric_keys))]
     for r in rows:
         table.append(f"| {r['method']} | {r['trainable']:,} | {r['train_seconds']:.0f} | {_steps(steps.get(r['method']))} | "
-                     + " | ".join(_cell(r, k) for k in metric_keys) + " |")
+                     + " | ".join(metric_cell(r, k) for k in metric_keys) + " |")
     seeds = summary.get("seeds")
     if seeds:   # several seeds: the shipped capsule is the one best on dev; its own run describes the training
         shipped = next(r for r in summary["runs"] if r["config"]["seed"] == summary["best_seed"])
@@ -135,11 +134,6 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
     return "\n".join(f"- {n}" for n in notes)
 
 
-def _cell(row: dict, key: str) -> str:
-    std = row.get(key + "_std") if row["method"] in TRAINABLE else None   # zero-shot, majority: no seed enters
-    return _pct(row[key]) + (f" ± {_pct(std)}" if std is not None else "")
-
-
 def _steps(steps) -> str:
     """A run's step count, or each seed's when they differ (early stopping)."""
     if isinstance(steps, list):
@@ -187,7 +181,7 @@ def results_table(folder: Path) -> str:
         compare = json.loads((run / "results.json").read_text())
         rows = {r["method"]: r for r in compare["rows"]}
         metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
-        cells = [_cell(rows[m], "test_" + metric) if m in rows else "-" for m in methods]   # mean ± std: seeds
+        cells = [metric_cell(rows[m], "test_" + metric) if m in rows else "-" for m in methods]   # mean ± std: seeds
         minutes = rows["capt"]["train_seconds"] / 60
         budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
         budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
