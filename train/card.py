@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from capt.files import atomic_folder
+from capt.methods import TRAINABLE
 from capt.training import DEFAULT_LR, metric_cell
 
 
@@ -45,14 +46,14 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
     cfg = summary["config"]
     capt_row = next(r for r in rows if r["method"] == "capt")
     primary = "test_f1a" if "test_f1a" in metric_keys else metric_keys[0]   # MultiRC: F1 over answers (official)
-    beats = [r["method"] for r in rows if r["method"] in ("zero-shot", "majority")
+    beats = [r["method"] for r in rows if r["method"] not in TRAINABLE
              and capt_row[primary] <= r[primary]]
     on = f" on {primary[5:]}" if primary != metric_keys[0] else ""
     free = " and ".join(r["method"].replace("majority", "majority class") for r in rows
-                        if r["method"] in ("zero-shot", "majority"))
+                        if r["method"] not in TRAINABLE)
     verdict = (f"CaPT beats {free}{on} on this split." if not beats else
                f"CaPT does NOT beat {' and '.join(beats)}{on} on this split (see the notes below).")
-    best_free = max((r for r in rows if r["method"] in ("zero-shot", "majority")), key=lambda r: r[primary],
+    best_free = max((r for r in rows if r["method"] not in TRAINABLE), key=lambda r: r[primary],
                     default=None)
     if not beats and best_free is not None and primary == "test_accuracy":
         margin = round((capt_row[primary] - best_free[primary]) * summary["n_test"])
@@ -108,7 +109,7 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
     """What a reader should know before trusting the table, derived from the run itself."""
     capt_score = next(r[metric] for r in rows if r["method"] == "capt")
     ahead = [f"{r['method']} ({_pct(r[metric])})" for r in rows
-             if r["method"] not in ("capt", "zero-shot", "majority") and r[metric] > capt_score]
+             if r["method"] in TRAINABLE and r["method"] != "capt" and r[metric] > capt_score]
     notes = []
     if cfg.get("max_minutes") or cfg.get("max_steps"):
         budget = f"{cfg['max_minutes']:g} minutes" if cfg.get("max_minutes") else f"{cfg['max_steps']} steps"
