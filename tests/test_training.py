@@ -273,7 +273,8 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     capsys.readouterr()
     assert card([str(tmp_path / "shipped"), "--table"]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| task | metric | capt | zero-shot | majority |") and "| toy | accuracy |" in table
+    assert table.startswith("| task | metric | capt | capt, seeds | zero-shot | majority |")
+    assert "| toy | accuracy | " in table and " | - | " in table   # one seed, no seeds run: no mean
 
 
 def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
@@ -301,6 +302,51 @@ def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
     assert f"which scored {100 * shipped['test']['accuracy']:.1f} on test" in text and "One seed" not in text
     saved = json.loads((tmp_path / "shipped" / "capsule.json").read_text())
     assert saved["metrics"] == shipped["test"] and saved["training"]["config"]["seed"] == best
+
+
+def test_model_card_with_a_seeds_run(toy_csv, tmp_path, capsys):
+    """--seeds: a several-seed CaPT-alone run at the compare's settings goes into the card (every seed, the mean,
+    how many seeds pass each reference, seed 0 bit for bit the compare's capsule) and into the table's seeds
+    column; a run trained otherwise, or one without its command, is refused and nothing is written."""
+    from train.card import main as card
+
+    common = ["--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields", "text",
+              "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "3", "--eval-every", "1",
+              "--quiet"]
+    run, seeds, shipped = tmp_path / "cmp", tmp_path / "seeds", tmp_path / "shipped" / "toy"
+    assert cli(["compare", *common, "--methods", "capt", "majority", "--out", str(run)]) == 0
+    assert cli([*common, "--seeds", "0", "1", "--out", str(seeds)]) == 0
+    rec = json.loads((seeds / "summary.json").read_text())
+    assert rec["command"] == "python -m train " + " ".join(common).replace("a= the", "'a= the'").replace(
+        "b= a", "'b= a'") + f" --seeds 0 1 --out {seeds}"
+    assert card([str(run), "--to", str(shipped), "--seeds", str(seeds)]) == 0
+    text = (shipped / "README.md").read_text()
+    per = ", ".join(f"{100 * r['test']['accuracy']:.1f}" for r in rec["runs"])
+    mean, std = rec["test"]["accuracy"], rec["test"]["accuracy_std"]
+    results = json.loads((shipped / "results.json").read_text())
+    majority = next(r["test_accuracy"] for r in results["rows"] if r["method"] == "majority")
+    above = sum(r["test"]["accuracy"] > majority for r in rec["runs"])
+    assert f"- Seeds 0, 1, CaPT alone, same settings ({rec['command']}" in text
+    assert f"test accuracy {per}, mean {100 * mean:.1f} ± {100 * std:.1f} (best dev at steps" in text
+    assert f"on accuracy, {above} of 2 above majority class's {100 * majority:.1f}." in text
+    assert "Seed 0 reproduced the shipped capsule bit for bit." in text and "One seed (0)." in text
+    assert results["capt_seeds"]["reproduces_shipped"] is True
+    capsys.readouterr()
+    assert card([str(tmp_path / "shipped"), "--table"]) == 0
+    table = capsys.readouterr().out
+    assert "| capt | capt, seeds | zero-shot |" in table and f"| {100 * mean:.1f} ± {100 * std:.1f} (2) |" in table
+
+    before = (shipped / "README.md").read_text()
+    other = tmp_path / "other"
+    assert cli([*common, "--lr", "0.1", "--seeds", "0", "1", "--out", str(other)]) == 0
+    assert card([str(run), "--to", str(shipped), "--seeds", str(other)]) == 2
+    assert "was not trained like the compare's CaPT run: lr 0.1 there, None in the compare" in capsys.readouterr().err
+    summary = json.loads((seeds / "summary.json").read_text())
+    del summary["command"]
+    (seeds / "summary.json").write_text(json.dumps(summary))
+    assert card([str(run), "--to", str(shipped), "--seeds", str(seeds)]) == 2
+    assert "records no command" in capsys.readouterr().err
+    assert (shipped / "README.md").read_text() == before
 
 
 def test_readme_results_table_is_the_shipped_capsules_own():

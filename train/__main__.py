@@ -26,7 +26,7 @@ from capt.errors import CaptError
 from capt.io import load_capsule, read_config
 from capt.methods import METHODS
 from capt.tasks import TASKS, get_task
-from capt.training import TrainConfig, compare, format_table, train_seeds
+from capt.training import Run, TrainConfig, compare, format_table, train_seeds
 
 
 def _pairs(items: list[str] | None, what: str) -> dict | None:
@@ -40,6 +40,13 @@ def _pairs(items: list[str] | None, what: str) -> dict | None:
 
 def _command(argv: list[str]) -> str:
     return "python -m train " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _record_command(out_dir: str | None, name: str, argv: list[str]) -> None:
+    """Add the exact command to out_dir/name (written by the run; replaced atomically)."""
+    if out_dir and (Path(out_dir) / name).exists():
+        run = Run(out_dir)
+        run.write_json(name, {**json.loads((run.dir / name).read_text()), "command": _command(argv)})
 
 
 def parser(compare_mode: bool) -> argparse.ArgumentParser:
@@ -148,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         if compare_mode:
             rows = compare(cfg, args.methods, args.seeds, resume=args.resume, progress=not args.quiet)
             print(format_table(rows))
-            if cfg.out_dir:  # the model card quotes the exact command
-                path = Path(cfg.out_dir) / "compare.json"
-                path.write_text(json.dumps({**json.loads(path.read_text()), "command": _command(argv)}, indent=2))
+            _record_command(cfg.out_dir, "compare.json", argv)   # the model card quotes the exact command
         else:
             summary = train_seeds(cfg, args.seeds, resume=args.resume, progress=not args.quiet)
+            _record_command(cfg.out_dir, "summary.json", argv)   # quoted by train.card --seeds
             print(json.dumps({k: summary[k] for k in ("method", "task", "backbone", "n_trainable", "test", "dev",
                                                       "train_seconds") if k in summary}, indent=2))
     except CaptError as e:

@@ -1,6 +1,7 @@
 """Turn a `python -m train compare ... --out RUN` folder into a shipped capsule with its model card.
 
     python -m train.card runs/cb --to capsules/smollm2-135m/cb
+    python -m train.card runs/rte --to capsules/smollm2-135m/rte --seeds runs/rte-seeds   # + CaPT alone, 3 seeds
     python -m train.card capsules/smollm2-135m --table        # the README's cross-task table
 
 Copies RUN/capt/capsule (capsule.json + capsule.safetensors) and writes README.md beside it with the
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from capt.errors import CaptError
 from capt.files import atomic_folder
 from capt.methods import TRAINABLE
 from capt.training import DEFAULT_LR, metric_cell
@@ -30,7 +32,7 @@ def _pct(x: float) -> str:
 
 
 def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None,
-              extra: list | None = None) -> str:
+              extra: list | None = None, seeds_run: dict | None = None) -> str:
     rows = compare["rows"]
     steps = steps or {}
     metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
@@ -98,7 +100,7 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
-{_notes(rows, primary, cfg, summary, extra or [])}
+{_notes(rows, primary, cfg, summary, ([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else []) + (extra or []))}
 
 Metrics are percentages on the test split named above. Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
@@ -133,6 +135,66 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
                     else f"One seed ({cfg['seed']})."))
     notes += extra   # what the person shipping it adds (--note): what was tried, what was not
     return "\n".join(f"- {n}" for n in notes)
+
+
+SETTINGS_OF_A_RUN = ("seed", "out_dir")   # config keys that may differ between a compare and its seeds run
+
+
+def seeds_record(seeds_dir: Path, run: Path) -> dict:
+    """A `python -m train --seeds ... --out SEEDS_DIR` run of CaPT alone, checked to have the compare RUN's
+    CaPT settings, as results.json keeps it ("capt_seeds"): each seed's test and dev metrics, the mean ± std,
+    and whether the seed the compare trained came out bit for bit the same capsule."""
+    path = seeds_dir / "summary.json"
+    if not path.exists():
+        raise CaptError(f"{path} is missing: --seeds takes the --out folder of `python -m train --seeds 0 1 2 ...`")
+    s = json.loads(path.read_text())
+    if s.get("method") != "capt" or len(s.get("seeds") or []) < 2:
+        raise CaptError(f"{seeds_dir} is not a several-seed CaPT run (method {s.get('method')}, seeds "
+                        f"{s.get('seeds')}); give the --out folder of `python -m train --seeds 0 1 2 ...`")
+    ref = json.loads((run / "capt" / "summary.json").read_text())
+    if ref.get("seeds"):
+        raise CaptError(f"the compare in {run} already has seeds {ref['seeds']}: its table gives their mean, "
+                        "so --seeds adds nothing")
+    want = ref["config"]
+    for r in s["runs"]:
+        keys = sorted(k for k in set(want) | set(r["config"]) if k not in SETTINGS_OF_A_RUN
+                      and want.get(k) != r["config"].get(k))
+        if keys:
+            raise CaptError(f"{seeds_dir} (seed {r['config']['seed']}) was not trained like the compare's CaPT run: "
+                            + ", ".join(f"{k} {r['config'].get(k)!r} there, {want.get(k)!r} in the compare"
+                                        for k in keys))
+    if not s.get("command"):
+        raise CaptError(f"{path} records no command (made before `python -m train` recorded one): add "
+                        '"command": "<the exact command>" to it, or rerun')
+    same = seeds_dir / f"seed-{want['seed']}" / "capsule" / "capsule.safetensors"
+    shipped = run / "capt" / "capsule" / "capsule.safetensors"
+    return {"command": s["command"], "seeds": s["seeds"], "test": s["test"], "train_seconds": s["train_seconds"],
+            "commit": (s["runs"][0].get("code") or {}).get("commit"),
+            "runs": [{"seed": r["config"]["seed"], "test": r["test"], "dev": r["dev"], "best_step": r["best_step"],
+                      "steps": r["steps"]} for r in s["runs"]],
+            "reproduces_shipped": same.read_bytes() == shipped.read_bytes() if same.exists() else None,
+            "shipped_seed": want["seed"]}
+
+
+def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
+    """The card's line for a seeds run: every seed's score, the mean, how many seeds pass each reference."""
+    key = primary[5:]
+    metrics = [key] + [k for k in rec["runs"][0]["test"] if k != key]
+    scores = "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in rec['runs'])}, mean {_pct(rec['test'][k])} ± "
+                       f"{_pct(rec['test'][k + '_std'])}" for k in metrics)
+    n = len(rec["runs"])
+    refs = "; ".join(f"on {k}, " + ", ".join(
+        f"{sum(r['test'][k] > ref['test_' + k] for r in rec['runs'])} of {n} above "
+        f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + k])}"
+        for ref in rows if ref["method"] not in TRAINABLE) for k in dict.fromkeys([key, "accuracy"]) if k in metrics)
+    commit = f", commit {rec['commit'][:7]}" if rec.get("commit") else ""
+    repro = {True: f" Seed {rec['shipped_seed']} reproduced the shipped capsule bit for bit.",
+             False: f" Seed {rec['shipped_seed']} trained a capsule that differs from the shipped one in its bits "
+                    "(other code or thread count).", None: ""}[rec["reproduces_shipped"]]
+    return (f"Seeds {', '.join(map(str, rec['seeds']))}, CaPT alone, same settings ({rec['command']}{commit}): "
+            f"test {scores} (best dev at steps {', '.join(str(r['best_step']) for r in rec['runs'])}); "
+            f"{refs}.{repro} The table above compares methods on seed {rec['shipped_seed']}; the README's "
+            "seeds column is this mean.")
 
 
 def _steps(steps) -> str:
@@ -176,18 +238,30 @@ def results_table(folder: Path) -> str:
     if not runs:
         return f"(no shipped capsules with results.json under {folder})"
     methods = ["capt", "zero-shot", "majority", "linear-head", "p-tuning-v2"]
-    lines = ["| task | metric | " + " | ".join(methods) + " | budget per method | CaPT training |",
-             "|" + "---|" * (len(methods) + 4)]
+    lines = ["| task | metric | " + " | ".join(methods[:1] + ["capt, seeds"] + methods[1:])
+             + " | budget per method | CaPT training |", "|" + "---|" * (len(methods) + 5)]
     for run in runs:
         compare = json.loads((run / "results.json").read_text())
         rows = {r["method"]: r for r in compare["rows"]}
         metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
         cells = [metric_cell(rows[m], "test_" + metric) if m in rows else "-" for m in methods]   # mean ± std: seeds
+        cells.insert(1, _seeds_cell(compare, metric))
         minutes = rows["capt"]["train_seconds"] / 60
         budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
         budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
         lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {budget} | {minutes:.0f} min |")
     return "\n".join(lines)
+
+
+def _seeds_cell(compare: dict, metric: str) -> str:
+    """CaPT's mean ± std over seeds (how many): the compare's own seeds, else its seeds run's, else '-'."""
+    row, rec = next(r for r in compare["rows"] if r["method"] == "capt"), compare.get("capt_seeds")
+    seeds = re.search(r"--seeds((?: \d+)+)", compare.get("command", ""))
+    if row.get(f"test_{metric}_std") is not None and seeds:
+        return f"{metric_cell(row, 'test_' + metric)} ({len(seeds.group(1).split())})"
+    if rec:
+        return f"{_pct(rec['test'][metric])} ± {_pct(rec['test'][metric + '_std'])} ({len(rec['seeds'])})"
+    return "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="print the cross-task results table instead")
     p.add_argument("--note", action="append", default=[], help="a note for the card (repeatable), e.g. what "
                                                                 "else was tried")
+    p.add_argument("--seeds", metavar="SEEDS_RUN", help="the --out folder of `python -m train --seeds 0 1 2 ...`, "
+                   "CaPT alone with the compare's settings: every seed's score goes into the card and its mean "
+                   "into the README table's seeds column (for a compare of one seed)")
     args = p.parse_args(argv)
     if args.table:
         print(results_table(Path(args.run)))
@@ -214,13 +291,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     command = compare.get("command", "(command not recorded)")
+    try:
+        seeds_run = seeds_record(Path(args.seeds), run) if args.seeds else None
+    except CaptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if seeds_run:
+        compare = {**compare, "capt_seeds": seeds_run}
     target = Path(args.to)
     with atomic_folder(target) as tmp:
         for f in (run / "capt" / "capsule").iterdir():
             shutil.copy(f, tmp / f.name)
         steps = {r["method"]: json.loads((run / r["method"] / "summary.json").read_text()).get("steps")
                  for r in compare["rows"] if (run / r["method"] / "summary.json").exists()}
-        (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note))
+        (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note, seeds_run))
         (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
     print(f"wrote {target}")
     return 0
