@@ -31,6 +31,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
+def _mean_std(metrics: dict, key: str) -> str:
+    """A seeds summary's metric (metrics[key], metrics[key + '_std']) as 'mean ± std' in percent."""
+    return f"{_pct(metrics[key])} ± {_pct(metrics[key + '_std'])}"
+
+
 def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None,
               extra: list | None = None, seeds_run: dict | None = None) -> str:
     rows = compare["rows"]
@@ -140,9 +145,9 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
 SETTINGS_OF_A_RUN = ("seed", "out_dir")   # config keys that may differ between a compare and its seeds run
 
 
-def seeds_record(seeds_dir: Path, run: Path) -> dict:
-    """A `python -m train --seeds ... --out SEEDS_DIR` run of CaPT alone, checked to have the compare RUN's
-    CaPT settings, as results.json keeps it ("capt_seeds"): each seed's test and dev metrics, the mean ± std,
+def seeds_record(seeds_dir: Path, run: Path, ref: dict) -> dict:
+    """A `python -m train --seeds ... --out SEEDS_DIR` run of CaPT alone, checked to have the settings of the
+    compare RUN's CaPT run (`ref`, its summary.json), as results.json keeps it ("capt_seeds"): each seed's test and dev metrics, the mean ± std,
     and whether the seed the compare trained came out bit for bit the same capsule."""
     path = seeds_dir / "summary.json"
     if not path.exists():
@@ -151,7 +156,6 @@ def seeds_record(seeds_dir: Path, run: Path) -> dict:
     if s.get("method") != "capt" or len(s.get("seeds") or []) < 2:
         raise CaptError(f"{seeds_dir} is not a several-seed CaPT run (method {s.get('method')}, seeds "
                         f"{s.get('seeds')}); give the --out folder of `python -m train --seeds 0 1 2 ...`")
-    ref = json.loads((run / "capt" / "summary.json").read_text())
     if ref.get("seeds"):
         raise CaptError(f"the compare in {run} already has seeds {ref['seeds']}: its table gives their mean, "
                         "so --seeds adds nothing")
@@ -180,8 +184,8 @@ def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
     """The card's line for a seeds run: every seed's score, the mean, how many seeds pass each reference."""
     key = primary[5:]
     metrics = [key] + [k for k in rec["runs"][0]["test"] if k != key]
-    scores = "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in rec['runs'])}, mean {_pct(rec['test'][k])} ± "
-                       f"{_pct(rec['test'][k + '_std'])}" for k in metrics)
+    scores = "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in rec['runs'])}, mean {_mean_std(rec['test'], k)}"
+                       for k in metrics)
     n = len(rec["runs"])
     refs = "; ".join(f"on {k}, " + ", ".join(
         f"{sum(r['test'][k] > ref['test_' + k] for r in rec['runs'])} of {n} above "
@@ -245,7 +249,7 @@ def results_table(folder: Path) -> str:
         rows = {r["method"]: r for r in compare["rows"]}
         metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
         cells = [metric_cell(rows[m], "test_" + metric) if m in rows else "-" for m in methods]   # mean ± std: seeds
-        cells.insert(1, _seeds_cell(compare, metric))
+        cells.insert(1, _seeds_cell(compare, rows["capt"], metric))
         minutes = rows["capt"]["train_seconds"] / 60
         budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
         budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
@@ -253,14 +257,15 @@ def results_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def _seeds_cell(compare: dict, metric: str) -> str:
-    """CaPT's mean ± std over seeds (how many): the compare's own seeds, else its seeds run's, else '-'."""
-    row, rec = next(r for r in compare["rows"] if r["method"] == "capt"), compare.get("capt_seeds")
+def _seeds_cell(compare: dict, row: dict, metric: str) -> str:
+    """CaPT's mean ± std over seeds (how many): the compare's own seeds (`row`, its capt row), else its seeds
+    run's, else '-'."""
+    rec = compare.get("capt_seeds")
     seeds = re.search(r"--seeds((?: \d+)+)", compare.get("command", ""))
     if row.get(f"test_{metric}_std") is not None and seeds:
         return f"{metric_cell(row, 'test_' + metric)} ({len(seeds.group(1).split())})"
     if rec:
-        return f"{_pct(rec['test'][metric])} ± {_pct(rec['test'][metric + '_std'])} ({len(rec['seeds'])})"
+        return f"{_mean_std(rec['test'], metric)} ({len(rec['seeds'])})"
     return "-"
 
 
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = compare.get("command", "(command not recorded)")
     try:
-        seeds_run = seeds_record(Path(args.seeds), run) if args.seeds else None
+        seeds_run = seeds_record(Path(args.seeds), run, summary) if args.seeds else None
     except CaptError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
