@@ -302,6 +302,16 @@ def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
     assert f"which scored {100 * shipped['test']['accuracy']:.1f} on test" in text and "One seed" not in text
     saved = json.loads((tmp_path / "shipped" / "capsule.json").read_text())
     assert saved["metrics"] == shipped["test"] and saved["training"]["config"]["seed"] == best
+    runs = capt_summary["runs"]   # every seed of every trained method, with how many beat each reference
+    majority = json.loads((run / "majority" / "summary.json").read_text())["test"]["accuracy"]
+    scores = " | ".join(f"{100 * r['test']['accuracy']:.1f}" for r in runs)
+    above = sum(r["test"]["accuracy"] > majority for r in runs)
+    assert "| method | metric | seed 0 | seed 1 | seed 2 | seeds above majority class |" in text
+    assert f"| capt | accuracy | {scores} | {above} of 3 ({100 * majority:.1f}) |" in text
+    assert f"Best dev at steps: capt {', '.join(str(r['best_step']) for r in runs)}." in text
+    kept = json.loads((tmp_path / "shipped" / "results.json").read_text())["seed_runs"]
+    assert list(kept) == ["capt"] and [r["seed"] for r in kept["capt"]] == [0, 1, 2]
+    assert [r["test"] for r in kept["capt"]] == [r["test"] for r in runs]
 
 
 def test_model_card_with_a_seeds_run(toy_csv, tmp_path, capsys):

@@ -69,6 +69,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
                         + (" on average over the seeds" if seeds else "")
                         + ": within the noise of one seed, so read it as a tie.")
     options = {k: v for k, v in cfg["capsule"].items()} or "defaults (add fusion, slot, all layers, verbalizer)"
+    per_seed = _per_seed_table(compare["seed_runs"], rows, primary) if compare.get("seed_runs") else ""
     return f"""---
 library_name: capt
 tags: [capt, capsule-prompt-tuning, peft, superglue]
@@ -105,7 +106,7 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
-{_notes(rows, primary, cfg, summary, ([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else []) + (extra or []))}
+{per_seed}{_notes(rows, primary, cfg, summary, ([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else []) + (extra or []))}
 
 Metrics are percentages on the test split named above. Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
@@ -174,10 +175,48 @@ def seeds_record(seeds_dir: Path, run: Path, ref: dict) -> dict:
     shipped = run / "capt" / "capsule" / "capsule.safetensors"
     return {"command": s["command"], "seeds": s["seeds"], "test": s["test"], "train_seconds": s["train_seconds"],
             "commit": (s["runs"][0].get("code") or {}).get("commit"),
-            "runs": [{"seed": r["config"]["seed"], "test": r["test"], "dev": r["dev"], "best_step": r["best_step"],
-                      "steps": r["steps"]} for r in s["runs"]],
+            "runs": [_seed_entry(r) for r in s["runs"]],
             "reproduces_shipped": same.read_bytes() == shipped.read_bytes() if same.exists() else None,
             "shipped_seed": want["seed"]}
+
+
+def _seed_entry(r: dict) -> dict:
+    """What results.json keeps of one seed's run."""
+    return {"seed": r["config"]["seed"], "test": r["test"], "dev": r["dev"], "best_step": r["best_step"],
+            "steps": r["steps"]}
+
+
+def seed_runs(run: Path, compare: dict) -> dict:
+    """A compare of several seeds: each trained method's seeds, from RUN/<method>/summary.json."""
+    out = {}
+    for row in compare["rows"]:
+        path = run / row["method"] / "summary.json"
+        if row["method"] in TRAINABLE and path.exists():
+            s = json.loads(path.read_text())
+            if s.get("runs"):
+                out[row["method"]] = [_seed_entry(r) for r in s["runs"]]
+    return out
+
+
+def _per_seed_table(per_seed: dict, rows: list[dict], primary: str) -> str:
+    """A compare of several seeds: every trained method's test score on each seed, and how many of its seeds
+    beat each training-free reference (the table above gives only mean ± std)."""
+    key = primary[5:]
+    first = next(iter(per_seed.values()))
+    metrics = [key] + [k for k in first[0]["test"] if k != key]
+    refs = [r for r in rows if r["method"] not in TRAINABLE]
+    n = len(first)
+    lines = ["| method | metric | " + " | ".join(f"seed {r['seed']}" for r in first) + " | "
+             + " | ".join(f"seeds above {r['method'].replace('majority', 'majority class')}" for r in refs) + " |",
+             "|---|---|" + "---:|" * (n + len(refs))]
+    for m, runs in per_seed.items():
+        for k in metrics:
+            lines.append(f"| {m} | {k} | " + " | ".join(_pct(r["test"][k]) for r in runs) + " | " + " | ".join(
+                f"{sum(r['test'][k] > ref['test_' + k] for r in runs)} of {n} ({_pct(ref['test_' + k])})"
+                for ref in refs) + " |")
+    steps = "; ".join(f"{m} {', '.join(str(r['best_step']) for r in runs)}" for m, runs in per_seed.items())
+    return ("Each seed on its own (test, percent; the table above gives their mean ± std):\n\n"
+            + "\n".join(lines) + f"\n\nBest dev at steps: {steps}.\n\n")
 
 
 def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
@@ -303,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if seeds_run:
         compare = {**compare, "capt_seeds": seeds_run}
+    if summary.get("seeds"):   # a compare of several seeds: keep every seed of every trained method
+        compare = {**compare, "seed_runs": seed_runs(run, compare)}
     target = Path(args.to)
     with atomic_folder(target) as tmp:
         for f in (run / "capt" / "capsule").iterdir():
