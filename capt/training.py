@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import subprocess
@@ -299,7 +300,7 @@ def code_revision() -> dict:
     from . import __version__
 
     out = {"capt": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-           "threads": torch.get_num_threads(), "commit": None, "dirty": None}
+           "threads": torch.get_num_threads(), "machine": describe_machine(), "commit": None, "dirty": None}
     root = Path(__file__).resolve().parent.parent
     try:
         git = ["git", "-C", str(root)]
@@ -314,6 +315,20 @@ def code_revision() -> dict:
     except (OSError, subprocess.SubprocessError):   # no git, or an installed copy outside a checkout
         pass
     return out
+
+
+def describe_machine() -> dict:
+    """Where a run or a timing was made: CPU model, the vector instructions torch's CPU kernels use (AVX2,
+    AVX512, ...), core count and GPU if any. Training times and speed ratios depend on it (train.bench's floor
+    step took three times as long on one 2-core machine as on another: README, Speed)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):   # not Linux, or no model name: keep what platform says
+        pass
+    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 CODE = code_revision()

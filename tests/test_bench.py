@@ -9,6 +9,7 @@ import torch
 from conftest import tiny
 
 import capt
+from capt.training import describe_machine
 
 import train.bench as bench
 
@@ -111,9 +112,12 @@ def test_device_and_dtype_reach_the_backbone_and_the_results(monkeypatch, capsys
                       "--batch-size", "2", "--device", "cpu", "--dtype", "float32"])
     assert asked == [{"dtype": "float32", "device": "cpu"}]
     assert res["device"] == "cpu" and res["dtype"] == "float32"
+    machine = describe_machine()   # the CPU and its vector instructions: times depend on them
+    assert res["machine"] == machine
     assert capsys.readouterr().out.startswith(f"Backbone tiny-llama: batch 2 x 8 tokens, median of 1 round-robin "
-                                              f"repeats (0 warmup), {torch.get_num_threads()} threads\n")
-    older = dict(res, device=None, dtype=None)   # pooled JSON from before train.bench recorded them
+                                              f"repeats (0 warmup), {torch.get_num_threads()} threads on "
+                                              f"{machine['cpu']} ({machine['isa']})\n")
+    older = dict(res, device=None, dtype=None, machine=None)   # JSON from before train.bench recorded them
     assert bench.format_table(older).split("\n")[0].endswith(f", {torch.get_num_threads()} threads")
     gpu = dict(res, device="cuda:0 (NVIDIA H200)", dtype="bfloat16")
     assert bench.format_table(gpu).startswith("Backbone tiny-llama: batch 2 x 8 tokens, median of 1 round-robin "
@@ -253,6 +257,10 @@ def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monke
     gpu.write_text(json.dumps(dict(runs[0], device="cuda:0 (NVIDIA H200)")))
     with pytest.raises(SystemExit, match="gpu.json is not a run of the same benchmark.*device, dtype"):
         bench.main(["--pool", str(paths[0]), str(gpu)])
+    elsewhere = tmp_path / "elsewhere.json"   # the same set-up timed on another CPU
+    elsewhere.write_text(json.dumps(dict(runs[0], machine=dict(runs[0]["machine"], isa="AVX512"))))
+    with pytest.raises(SystemExit, match="elsewhere.json is not a run of the same benchmark.*dtype, machine"):
+        bench.main(["--pool", str(paths[0]), str(elsewhere)])
     with pytest.raises(SystemExit, match="cannot read benchmark results"):
         bench.main(["--pool", str(tmp_path / "missing.json")])
     old = json.loads(paths[0].read_text())

@@ -268,6 +268,8 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     code = json.loads((run / "capt" / "summary.json").read_text())["code"]
     where = f"commit {code['commit'][:10]}" if code["commit"] else "outside a git checkout"
     assert f"- Code: capt {capt.__version__} ({where}" in text and f"torch threads: {code['threads']}." in text
+    m = code["machine"]   # the machine that trained, as the run recorded it
+    assert f"s of training on {m['cores']} CPU cores ({m['cpu']}, {m['isa']}), torch {code['torch']}, no GPU." in text
     capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
     assert task.name == "toy"
     capsys.readouterr()

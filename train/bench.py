@@ -55,6 +55,7 @@ from capt.config import CapsuleConfig
 from capt.errors import CaptError
 from capt.scoring import _last_real, encode_prompts, lm_logits, pad
 from capt.tasks import custom_task, get_task
+from capt.training import describe_machine
 
 PEFT_ROWS = [("prompt-tuning", 20), ("prompt-tuning", 100), ("p-tuning-v2", 20), ("p-tuning-v2", 100)]
 TARGETS = {"step": 1.03, "predict": 1.05}  # CaPT step <= 1.03x floor; prediction <= 1.05x without capsule
@@ -249,7 +250,7 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
             "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
             "warmup": warmup, "threads": torch.get_num_threads(), "device": describe_device(bb.device),
-            "dtype": str(bb.dtype).removeprefix("torch.")}
+            "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine()}
     res = summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
     return {**res, "profile": ops} if ops else res
 
@@ -327,7 +328,7 @@ def pool(paths: list[Path]) -> dict:
             runs.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise CaptError(f"cannot read benchmark results {path}: {e}") from e
-    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype")
+    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype", "machine")
     for path, r in zip(paths[1:], runs[1:]):
         if "times" not in r or [r.get(k) for k in same] != [runs[0].get(k) for k in same] \
                 or list(r["times"]) != list(runs[0]["times"]):
@@ -340,7 +341,7 @@ def pool(paths: list[Path]) -> dict:
                         f"rerun the benchmark with this version to pool it")
     times = {name: [t for r in runs for t in r["times"][name]] for name in first["times"]}
     meta = {k: first.get(k) for k in ("backbone", "batch_size", "seq_len", "task", "warmup", "threads", "device",
-                                      "dtype")}
+                                      "dtype", "machine")}
     meta.update(repeats=sum(r["repeats"] for r in runs), pooled=[str(p) for p in paths],
                 batch_lengths=sorted(n for r in runs for n in r.get("batch_lengths", [])))
     return summarize(times, {r["name"]: r["trainable"] for r in first["rows"]},
@@ -371,6 +372,8 @@ def format_table(res: dict) -> str:
     rounds = (f"{res['repeats']} round-robin rounds pooled from {len(res['pooled'])} runs" if res.get("pooled")
               else f"median of {res['repeats']} round-robin repeats ({res['warmup']} warmup)")
     where = f"{res['threads']} threads" if res.get("device") in (None, "cpu") else res["device"]  # None: older JSON
+    if res.get("machine") and res.get("device") in (None, "cpu"):   # older JSON has no machine
+        where += f" on {res['machine']['cpu']} ({res['machine']['isa']})"
     where += f", {res['dtype']}" if res.get("dtype") not in (None, "float32") else ""
     lines = [f"Backbone {res['backbone']}: {shape}, {rounds}, {where}",
              "", "| name | trainable params | median step s | x floor | x floor (medians) |",

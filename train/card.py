@@ -98,7 +98,7 @@ capt.predict(bb, task, example, capsule=capsule)
   test examples.
 - Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
   batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else DEFAULT_LR[summary['method']]}, seed
-  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine()}.{_seeds(summary, primary)}{_code(summary)}
+  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine(summary)}.{_seeds(summary, primary)}{_code(summary)}
 
 ## Test results (same split, same loop, `python -m train compare`)
 
@@ -269,9 +269,16 @@ def _code(summary: dict) -> str:
             "other code may round differently and, over many steps, train a different capsule.")
 
 
-def _machine() -> str:
-    return f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}" + (
-        ", CUDA" if torch.cuda.is_available() else ", no GPU")
+def _machine(summary: dict) -> str:
+    """The machine that trained, as summary.json recorded it (runs from before it did: the one writing the card,
+    which for every shipped card was the one that trained)."""
+    code = summary.get("code") or {}
+    m = code.get("machine")
+    if not m:
+        return f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}" + (
+            ", CUDA" if torch.cuda.is_available() else ", no GPU")
+    return (f"{m['cores']} CPU cores ({m['cpu']}, {m['isa']}), torch {code['torch']}"
+            + (f", GPU {m['gpu']}" if m["gpu"] else ", no GPU"))
 
 
 def results_table(folder: Path) -> str:
