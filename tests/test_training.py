@@ -253,6 +253,7 @@ def test_bad_data_files_are_refused(tmp_path):
 
 
 def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
+    import train.card as card_module
     from train.card import main as card
 
     run = tmp_path / "cmp"
@@ -268,6 +269,7 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     code = json.loads((run / "capt" / "summary.json").read_text())["code"]
     where = f"commit {code['commit'][:10]}" if code["commit"] else "outside a git checkout"
     assert f"- Code: capt {capt.__version__} ({where}" in text and f"torch threads: {code['threads']}." in text
+    assert card_module.REPRODUCE in text   # bit for bit: same code, threads and kind of CPU
     m = code["machine"]   # the machine that trained, as the run recorded it
     assert f"s of training on {m['cores']} CPU cores ({m['cpu']}, {m['isa']}), torch {code['torch']}, no GPU." in text
     capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
