@@ -259,7 +259,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
                "backbone_revision": bb.revision, "data": data.note, "n_train": len(data.train),
                "n_dev": len(data.dev), "n_test": len(data.test), "n_trainable": method.n_trainable(),
                "backbone_params": bb.n_params, "device": str(bb.device), "selection_metric": key,
-               "code": CODE}
+               "code": {**CODE, "machine": describe_machine(bb.device)}}
 
     params = [p for p in method.parameters() if p.requires_grad]
     state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
@@ -317,18 +317,20 @@ def code_revision() -> dict:
     return out
 
 
-def describe_machine() -> dict:
+def describe_machine(device: torch.device | str | None = None) -> dict:
     """Where a run or a timing was made: CPU model, the vector instructions torch's CPU kernels use (AVX2,
-    AVX512, ...), core count and GPU if any. Training times and speed ratios depend on it (train.bench's floor
-    step took three times as long on one 2-core machine as on another: README, Speed)."""
+    AVX512, ...), core count and, when `device` is a GPU, its name (asked only then: on ZeroGPU nothing may
+    touch CUDA outside a GPU call). Training times, speed ratios and the last bits of a trained capsule depend
+    on it (README, Speed and Train)."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
     except (OSError, StopIteration):   # not Linux, or no model name: keep what platform says
         pass
+    device = torch.device(device) if device is not None else None
     return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "gpu": torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None}
 
 
 CODE = code_revision()

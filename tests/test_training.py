@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import capt
 from capt.methods import METHODS
-from capt.training import TrainConfig, compare, format_table, train, train_in_chunks, train_seeds
+from capt.training import TrainConfig, compare, describe_machine, format_table, train, train_in_chunks, train_seeds
 from conftest import tiny
 from train.__main__ import main as cli
 
@@ -84,6 +84,7 @@ def test_the_same_seed_trains_the_same_capsule_bit_for_bit(toy_csv, tmp_path):
     code = a["code"]
     assert code["capt"] == capt.__version__ and code["torch"] == torch.__version__
     assert code["threads"] == torch.get_num_threads()
+    assert code["machine"] == describe_machine("cpu") and code["machine"]["gpu"] is None   # a CPU run
     assert code["commit"] is None or (len(code["commit"]) == 40 and isinstance(code["dirty"], bool))
 
 

@@ -250,7 +250,7 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
             "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
             "warmup": warmup, "threads": torch.get_num_threads(), "device": describe_device(bb.device),
-            "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine()}
+            "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine(bb.device)}
     res = summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
     return {**res, "profile": ops} if ops else res
 
