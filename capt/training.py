@@ -294,13 +294,14 @@ def code_revision() -> dict:
     products round differently with another count) and, in a git checkout, the commit and whether the
     library or CLI had uncommitted edits. Taken once, when this module is imported (the code this process
     runs). A later commit may change results in the last bits (an equivalent but reordered computation),
-    and at lr 3e-2 a hundred steps carry such bits into a different capsule."""
+    and at lr 3e-2 a hundred steps carry such bits into a different capsule; so may another CPU, which
+    `train` records beside this (describe_machine)."""
     import transformers
 
     from . import __version__
 
     out = {"capt": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-           "threads": torch.get_num_threads(), "machine": describe_machine(), "commit": None, "dirty": None}
+           "threads": torch.get_num_threads(), "commit": None, "dirty": None}
     root = Path(__file__).resolve().parent.parent
     try:
         git = ["git", "-C", str(root)]
