@@ -42,14 +42,15 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
                       "--batch-size", "2", "--json", str(path)])
     out = capsys.readouterr().out
 
-    table = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \|$",
-                                             out, re.M)}
+    table = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)-([\d.]+) \| "
+                                             r"[\d.]+ \|$", out, re.M)}
     assert list(table) == ROWS
-    for name, (n, median, ratio) in table.items():
-        assert float(median) >= 0 and float(ratio) > 0, name
+    for name, (n, median, ratio, lo, hi) in table.items():
+        assert float(median) >= 0 and float(ratio) > 0 and float(lo) <= float(ratio) <= float(hi), name
     assert table["floor"][0] == "0" and float(table["floor"][2]) == 1.0
     assert int(table["capt"][0].replace(",", "")) == bb.n_layers * bb.hidden_size  # L*d
-    parts = dict(re.findall(r"^\| (floor-[a-z]+-1|capt-layer0) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \|$", out, re.M))
+    parts = dict(re.findall(r"^\| (floor-[a-z]+-1|capt-layer0) \| [\d.]+ \| ([\d.]+) \| [\d.-]+ \| [\d.]+ \|$", out,
+                            re.M))
     assert list(parts) == ["floor-plus-1", "floor-minus-1", "capt-layer0"]
     assert all(float(v) > 0 for v in parts.values())
     hooks = re.search(r"^capt / floor-plus-1 .*: ([\d.]+)x$", out, re.M)
@@ -60,13 +61,16 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
     assert pred and float(pred[1]) > 0
     assert "CaPT step <= 1.03x floor: " in out and "prediction with capsule <= 1.05x without: " in out
     assert re.findall(r": (PASS|FAIL) \(", out) and len(re.findall(r": (PASS|FAIL) \(", out)) == 2
+    assert len(re.findall(r"x; 95 % interval \d\.\d{3}-\d\.\d{3}", out)) == 2   # each verdict with its interval
 
     saved = json.loads(path.read_text())
     assert saved == json.loads(json.dumps(res))
     assert [r["name"] for r in saved["rows"]] == ROWS
     for r in saved["rows"]:
-        n, median, ratio = table[r["name"]]
+        n, median, ratio, lo, hi = table[r["name"]]
         assert int(n.replace(",", "")) == r["trainable"]
+        assert [float(lo), float(hi)] == pytest.approx(r["ratio_interval"], abs=6e-4)   # JSON keeps it as a list
+        assert r["ratio_interval"] == list(bench.ratio_interval(saved["times"][r["name"]], saved["times"]["floor"]))
         assert math.isclose(float(ratio), r["ratio"], abs_tol=6e-4) and r["ratio"] > 0
         assert len(saved["times"][r["name"]]) == 2
         assert math.isclose(r["ratio"], bench.paired_ratio(saved["times"][r["name"]], saved["times"]["floor"]))
@@ -183,6 +187,23 @@ def test_diagnostic_rows_change_only_what_they_say():
     assert y2 is batch[2]
     ids3, mask3, y3 = bench.minus_one(batch)
     assert ids3.tolist() == [[6, 7], [9, 10]] and mask3.shape == (2, 2) and y3 is batch[2]
+
+
+def test_ratio_interval_shows_how_far_the_noise_leaves_the_ratio_open():
+    """The bootstrap interval holds the paired ratio, is the same on every call (seeded), has no width when
+    every round agrees, widens with noisier rounds, and a target inside it is reported as undecided."""
+    floor = [1.0] * 11
+    steady = [1.02] * 11
+    noisy = [1.02, 0.95, 1.10, 1.00, 1.15, 0.93, 1.05, 1.20, 0.98, 1.02, 1.08]
+    assert bench.ratio_interval(steady, floor) == pytest.approx((1.02, 1.02))
+    lo, hi = bench.ratio_interval(noisy, floor)
+    assert lo <= bench.paired_ratio(noisy, floor) <= hi and hi - lo > 0.03
+    assert bench.ratio_interval(noisy, floor) == (lo, hi)
+    slightly = [1.02 + 0.001 * (i % 3) for i in range(11)]
+    assert 0 < bench.ratio_interval(slightly, floor)[1] - bench.ratio_interval(slightly, floor)[0] < hi - lo
+    row = {"ratio": 1.02, "ratio_interval": (lo, hi)}
+    assert "does not decide it" in bench._decides(row, 1.03)
+    assert bench._decides({"ratio": 1.02, "ratio_interval": (1.01, 1.025)}, 1.03) == "; 95 % interval 1.010-1.025"
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():

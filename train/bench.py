@@ -34,12 +34,15 @@ runs every method once (order rotated each round) on batch r, so noise hits ever
 "x floor" is the median over rounds of (method's time / floor's time in the same round): the paired
 ratio, which cancels drift between rounds and ignores a round that a burst of other work spoiled;
 "x floor (medians)" is the plain ratio of the two medians, printed beside it. The targets are checked
-on the paired ratio. Every time is kept in --json, so either can be recomputed.
+on the paired ratio. "95 % interval" bootstraps the rounds (resampled with replacement, seeded) to show how
+far this machine's noise leaves the paired ratio open; a target inside it is not decided by the run.
+Every time is kept in --json, so either can be recomputed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -307,7 +310,7 @@ def summarize(times: dict[str, list[float]], trainable: dict[str, int], diagnost
 
     def against(name, base="floor"):
         return {"median_s": med[name], "ratio": paired_ratio(times[name], times[base]),
-                "ratio_of_medians": med[name] / med[base]}
+                "ratio_interval": ratio_interval(times[name], times[base]), "ratio_of_medians": med[name] / med[base]}
     rows = [{"name": name, "trainable": n, **against(name)} for name, n in trainable.items()]
     parts = [{"name": name, **against(name)} for name in diagnostic]
     hooks = against("capt", "floor-plus-1")   # the same T+1 tokens on both sides: the capsule's work alone
@@ -315,7 +318,7 @@ def summarize(times: dict[str, list[float]], trainable: dict[str, int], diagnost
     return {**meta, "rows": rows, "diagnostic": parts, "capt_vs_floor_plus_1": hooks["ratio"],
             "capt_vs_capt_layer0": paired_ratio(times["capt"], times["capt-layer0"]), "times": times,
             "predict": {"without_s": med["predict"], "with_s": med["predict+capsule"], "ratio": pred["ratio"],
-                        "ratio_of_medians": pred["ratio_of_medians"]},
+                        "ratio_interval": pred["ratio_interval"], "ratio_of_medians": pred["ratio_of_medians"]},
             "targets": {"capt_step": rows[1]["ratio"] <= TARGETS["step"], "predict": pred["ratio"] <= TARGETS["predict"]}}
 
 
@@ -353,6 +356,16 @@ def paired_ratio(times: list[float], base: list[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base))
 
 
+def ratio_interval(times: list[float], base: list[float], level: float = 0.95, resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap of paired_ratio: the rounds resampled with replacement (seeded, so a rerun of --pool
+    prints the same), the median of each resample's per-round ratios, and the central `level` of those."""
+    ratios = [t / b for t, b in zip(times, base)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int((1 - level) / 2 * resamples)], meds[int((1 + level) / 2 * resamples) - 1]
+
+
 def describe_device(device: torch.device) -> str:
     """'cpu', or e.g. 'cuda:0 (NVIDIA H200)'."""
     if device.type == "cuda":
@@ -376,23 +389,37 @@ def format_table(res: dict) -> str:
         where += f" on {res['machine']['cpu']} ({res['machine']['isa']})"
     where += f", {res['dtype']}" if res.get("dtype") not in (None, "float32") else ""
     lines = [f"Backbone {res['backbone']}: {shape}, {rounds}, {where}",
-             "", "| name | trainable params | median step s | x floor | x floor (medians) |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | "
+             "", "| name | trainable params | median step s | x floor | 95 % interval | x floor (medians) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | {_span(r)} | "
               f"{r['ratio_of_medians']:.3f} |" for r in res["rows"]]
-    lines += ["", "| where CaPT's extra time goes (diagnostic) | median step s | x floor | x floor (medians) |",
-              "|---|---:|---:|---:|"]
-    lines += [f"| {r['name']} | {r['median_s']:.4f} | {r['ratio']:.3f} | {r['ratio_of_medians']:.3f} |"
+    lines += ["", "| where CaPT's extra time goes (diagnostic) | median step s | x floor | 95 % interval | "
+              "x floor (medians) |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['median_s']:.4f} | {r['ratio']:.3f} | {_span(r)} | {r['ratio_of_medians']:.3f} |"
               for r in res["diagnostic"]]
     lines += ["", f"capt / floor-plus-1 (the capsule's work alone, same T+1 tokens): {res['capt_vs_floor_plus_1']:.3f}x",
               f"capt / capt-layer0 (the per-layer work of layers 1..L-1): {res['capt_vs_capt_layer0']:.3f}x"]
     lines += ["", "| prediction (batch 1) | median s |", "|---|---:|",
               f"| without capsule | {p['without_s']:.4f} |", f"| with capsule | {p['with_s']:.4f} |",
-              f"| ratio | {p['ratio']:.3f} |", f"| ratio (medians) | {p['ratio_of_medians']:.3f} |", "",
-              f"- CaPT step <= {TARGETS['step']}x floor: {ok(res['targets']['capt_step'])} ({capt_row['ratio']:.3f}x)",
+              f"| ratio | {p['ratio']:.3f} |", f"| ratio 95 % interval | {_span(p)} |",
+              f"| ratio (medians) | {p['ratio_of_medians']:.3f} |", "",
+              f"- CaPT step <= {TARGETS['step']}x floor: {ok(res['targets']['capt_step'])} ({capt_row['ratio']:.3f}x"
+              f"{_decides(capt_row, TARGETS['step'])})",
               f"- prediction with capsule <= {TARGETS['predict']}x without: {ok(res['targets']['predict'])} "
-              f"({p['ratio']:.3f}x)"]
+              f"({p['ratio']:.3f}x{_decides(p, TARGETS['predict'])})"]
     return "\n".join(lines)
+
+
+def _span(r: dict) -> str:
+    lo, hi = r["ratio_interval"]
+    return f"{lo:.3f}-{hi:.3f}"
+
+
+def _decides(r: dict, target: float) -> str:
+    """The interval beside a target's verdict, and whether the run's noise leaves that verdict open."""
+    lo, hi = r["ratio_interval"]
+    return f"; 95 % interval {_span(r)}" + (": the target lies inside it, so this run does not decide it"
+                                            if lo <= target <= hi else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
