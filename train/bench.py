@@ -343,8 +343,7 @@ def pool(paths: list[Path]) -> dict:
         raise CaptError(f"{paths[0]} has no {', '.join(missing)} timings: an older train.bench wrote it; "
                         f"rerun the benchmark with this version to pool it")
     times = {name: [t for r in runs for t in r["times"][name]] for name in first["times"]}
-    meta = {k: first.get(k) for k in ("backbone", "batch_size", "seq_len", "task", "warmup", "threads", "device",
-                                      "dtype", "machine")}
+    meta = {k: first.get(k) for k in (*same, "warmup")}
     meta.update(repeats=sum(r["repeats"] for r in runs), pooled=[str(p) for p in paths],
                 batch_lengths=sorted(n for r in runs for n in r.get("batch_lengths", [])))
     return summarize(times, {r["name"]: r["trainable"] for r in first["rows"]},

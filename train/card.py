@@ -186,16 +186,14 @@ def _seed_entry(r: dict) -> dict:
             "steps": r["steps"]}
 
 
-def seed_runs(run: Path, compare: dict) -> dict:
-    """A compare of several seeds: each trained method's seeds, from RUN/<method>/summary.json."""
-    out = {}
-    for row in compare["rows"]:
-        path = run / row["method"] / "summary.json"
-        if row["method"] in TRAINABLE and path.exists():
-            s = json.loads(path.read_text())
-            if s.get("runs"):
-                out[row["method"]] = [_seed_entry(r) for r in s["runs"]]
-    return out
+def seed_runs(summaries: dict) -> dict:
+    """A compare of several seeds: each trained method's seeds, from its summary.json (`summaries`, by method)."""
+    return {m: [_seed_entry(r) for r in s["runs"]] for m, s in summaries.items() if m in TRAINABLE and s.get("runs")}
+
+
+def _n_above(runs: list[dict], ref: dict, key: str) -> int:
+    """How many seeds score strictly above a training-free reference's row on metric `key`."""
+    return sum(r["test"][key] > ref["test_" + key] for r in runs)
 
 
 def _per_seed_table(per_seed: dict, rows: list[dict], primary: str) -> str:
@@ -212,7 +210,7 @@ def _per_seed_table(per_seed: dict, rows: list[dict], primary: str) -> str:
     for m, runs in per_seed.items():
         for k in metrics:
             lines.append(f"| {m} | {k} | " + " | ".join(_pct(r["test"][k]) for r in runs) + " | " + " | ".join(
-                f"{sum(r['test'][k] > ref['test_' + k] for r in runs)} of {n} ({_pct(ref['test_' + k])})"
+                f"{_n_above(runs, ref, k)} of {n} ({_pct(ref['test_' + k])})"
                 for ref in refs) + " |")
     steps = "; ".join(f"{m} {', '.join(str(r['best_step']) for r in runs)}" for m, runs in per_seed.items())
     return ("Each seed on its own (test, percent; the table above gives their mean ± std):\n\n"
@@ -227,7 +225,7 @@ def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
                        for k in metrics)
     n = len(rec["runs"])
     refs = "; ".join(f"on {k}, " + ", ".join(
-        f"{sum(r['test'][k] > ref['test_' + k] for r in rec['runs'])} of {n} above "
+        f"{_n_above(rec['runs'], ref, k)} of {n} above "
         f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + k])}"
         for ref in rows if ref["method"] not in TRAINABLE) for k in dict.fromkeys([key, "accuracy"]) if k in metrics)
     commit = f", commit {rec['commit'][:7]}" if rec.get("commit") else ""
@@ -355,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if seeds_run:
         compare = {**compare, "capt_seeds": seeds_run}
+    summaries = {r["method"]: summary if r["method"] == "capt" else json.loads(path.read_text())
+                 for r in compare["rows"] if (path := run / r["method"] / "summary.json").exists()}
     if summary.get("seeds"):   # a compare of several seeds: keep every seed of every trained method
-        compare = {**compare, "seed_runs": seed_runs(run, compare)}
+        compare = {**compare, "seed_runs": seed_runs(summaries)}
+    steps = {m: s.get("steps") for m, s in summaries.items()}
     target = Path(args.to)
     with atomic_folder(target) as tmp:
         for f in (run / "capt" / "capsule").iterdir():
             shutil.copy(f, tmp / f.name)
-        steps = {r["method"]: json.loads((run / r["method"] / "summary.json").read_text()).get("steps")
-                 for r in compare["rows"] if (run / r["method"] / "summary.json").exists()}
         (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note, seeds_run))
         (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
     print(f"wrote {target}")
