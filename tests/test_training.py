@@ -2,6 +2,7 @@
 import csv
 import json
 import re
+import shutil
 import threading
 
 import pytest
@@ -362,6 +363,65 @@ def test_model_card_with_a_seeds_run(toy_csv, tmp_path, capsys):
     assert card([str(run), "--to", str(shipped), "--seeds", str(seeds)]) == 2
     assert "records no command" in capsys.readouterr().err
     assert (shipped / "README.md").read_text() == before
+
+
+def test_model_card_amended_with_baseline_seeds(toy_csv, tmp_path, capsys):
+    """--baseline-seeds: a compare of the baselines alone on other seeds, at the shipped one-seed compare's
+    settings, adds every seed's score to the card and the mean ± std over them and the compare's own seed to
+    results.json and the README table; its run folder is not needed. A run made otherwise, one with CaPT in it,
+    one repeating the compare's seed, or a second amendment is refused, and nothing is written."""
+    from train.card import main as card
+
+    common = ["--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields", "text",
+              "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "3", "--eval-every", "1",
+              "--quiet"]
+    run, added, shipped = tmp_path / "cmp", tmp_path / "added", tmp_path / "shipped" / "toy"
+    assert cli(["compare", *common, "--methods", "capt", "majority", "linear-head", "--out", str(run)]) == 0
+    assert card([str(run), "--to", str(shipped)]) == 0
+    shutil.rmtree(run)   # a shipped card outlives its run folder
+    assert cli(["compare", *common, "--methods", "linear-head", "--seeds", "1", "2", "--out", str(added)]) == 0
+    before = (shipped / "README.md").read_text()
+    capsys.readouterr()
+    assert card([str(shipped), "--baseline-seeds", str(added)]) == 0
+    assert "added seeds 1, 2 of linear-head" in capsys.readouterr().out
+
+    results = json.loads((shipped / "results.json").read_text())
+    rec = results["baseline_seeds"]
+    row = next(r for r in results["rows"] if r["method"] == "linear-head")
+    runs = json.loads((added / "linear-head" / "summary.json").read_text())["runs"]
+    scores = [row["test_accuracy"]] + [r["test"]["accuracy"] for r in runs]
+    mean = sum(scores) / 3
+    std = (sum((x - mean) ** 2 for x in scores) / 3) ** 0.5
+    assert rec["seeds"] == [0, 1, 2] and [r["seed"] for r in rec["methods"]["linear-head"]["runs"]] == [0, 1, 2]
+    assert rec["methods"]["linear-head"]["test"]["accuracy"] == pytest.approx(mean)
+    assert rec["methods"]["linear-head"]["test"]["accuracy_std"] == pytest.approx(std)
+    assert rec["command"].startswith("python -m train compare") and rec["commit"] == runs[0]["code"]["commit"]
+    text = (shipped / "README.md").read_text()
+    majority = next(r["test_accuracy"] for r in results["rows"] if r["method"] == "majority")
+    above = sum(x > majority for x in scores)
+    assert text.startswith(before.split("\n\nMetrics are percentages")[0])   # the card above stays as it was
+    assert "- Baselines, seeds 0, 1, 2: seed 0 is the table above; seeds 1, 2 were added" in text
+    assert (f"linear-head: accuracy {', '.join(f'{100 * x:.1f}' for x in scores)}, mean {100 * mean:.1f} ± "
+            f"{100 * std:.1f}") in text and f"{above} of 3 above majority class's {100 * majority:.1f}" in text
+    assert text.endswith(before[before.index("\n\nMetrics are percentages"):])
+    assert capt.load_capsule(shipped, tiny("tiny-llama"))[1].name == "toy"   # the capsule files came along
+    capsys.readouterr()
+    assert card([str(tmp_path / "shipped"), "--table"]) == 0
+    assert f"| {100 * mean:.1f} ± {100 * std:.1f} (3) |" in capsys.readouterr().out
+
+    amended = (shipped / "README.md").read_text()
+    assert card([str(shipped), "--baseline-seeds", str(added)]) == 2
+    assert "already has baselines' seeds" in capsys.readouterr().err
+    results.pop("baseline_seeds")
+    (shipped / "results.json").write_text(json.dumps(results))
+    for bad, why in ((["--lr", "0.5", "--methods", "linear-head", "--seeds", "1"], "lr 0.5 there, None in the compare"),
+                     (["--methods", "capt", "--seeds", "1"], "it may hold only the compare's trained baselines"),
+                     (["--methods", "linear-head", "--seeds", "0", "1"], "seed 0, the compare's own")):
+        other = tmp_path / f"other-{len(why)}"
+        assert cli(["compare", *common, *bad, "--out", str(other)]) == 0
+        assert card([str(shipped), "--baseline-seeds", str(other)]) == 2
+        assert why in capsys.readouterr().err
+    assert (shipped / "README.md").read_text() == amended   # nothing written by a refused amendment
 
 
 def test_readme_results_table_is_the_shipped_capsules_own():

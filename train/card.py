@@ -3,10 +3,16 @@
     python -m train.card runs/cb --to capsules/smollm2-135m/cb
     python -m train.card runs/rte --to capsules/smollm2-135m/rte --seeds runs/rte-seeds   # + CaPT alone, 3 seeds
     python -m train.card capsules/smollm2-135m --table        # the README's cross-task table
+    python -m train.card capsules/smollm2-135m/rte --baseline-seeds runs/rte-baselines   # + baselines' seeds
 
 Copies RUN/capt/capsule (capsule.json + capsule.safetensors) and writes README.md beside it with the
 exact command, the data split, the training time measured on this machine and the test metrics of every
 method in RUN/compare.json. Every number in the card is read from the run's own files.
+
+--baseline-seeds amends a shipped card of a one-seed compare (its run folder need not exist any more) with a
+`python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...` run made with the compare's
+settings: each baseline's score on every seed goes into the card, and its mean ± std over those seeds and the
+compare's own into results.json and the README table.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -106,11 +113,12 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
-{per_seed}{_notes(rows, primary, cfg, summary, ([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else []) + (extra or []))}
-
-Metrics are percentages on the test split named above. Majority class always predicts the most frequent
+{per_seed}{_notes(rows, primary, cfg, summary, ([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else []) + (extra or []))}{CARD_TAIL} Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
 """
+
+
+CARD_TAIL = "\n\nMetrics are percentages on the test split named above."   # the notes end here (--baseline-seeds)
 
 
 def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list) -> str:
@@ -238,6 +246,114 @@ def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
             "seeds column is this mean.")
 
 
+# compare options that may differ between a shipped one-seed compare and its baselines' seeds run
+FREE_IN_A_SEEDS_RUN = ("methods", "seeds", "out", "resume", "quiet")
+
+
+def _compare_args(command: str, where: str) -> argparse.Namespace:
+    """A recorded `python -m train compare ...` command, parsed by the CLI's own parser."""
+    from train.__main__ import parser
+
+    words = shlex.split(command or "")
+    if words[:4] != ["python", "-m", "train", "compare"]:
+        raise CaptError(f"{where} records no `python -m train compare` command (got {command!r})")
+    try:
+        return parser(True).parse_args(words[4:])
+    except SystemExit:
+        raise CaptError(f"{where}: its recorded command does not parse: {command!r}") from None
+
+
+def baseline_seeds_record(shipped: Path, seeds_dir: Path) -> dict:
+    """A `python -m train compare --methods <baselines> --seeds ... --out SEEDS_DIR` run, checked to have the
+    settings of the shipped card's one-seed compare (both recorded commands parsed alike; only methods, seeds,
+    out, resume and quiet may differ), as results.json keeps it ("baseline_seeds"): per method, every seed's
+    test metrics (the compare's own seed first, from its row) and the mean ± std over all of them."""
+    try:
+        results = json.loads((shipped / "results.json").read_text())
+        new = json.loads((seeds_dir / "compare.json").read_text())
+    except FileNotFoundError as e:
+        raise CaptError(f"{e.filename} is missing: give a shipped card's folder and the --out folder of "
+                        "`python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...`") from None
+    if results.get("baseline_seeds"):
+        raise CaptError(f"{shipped} already has baselines' seeds ({results['baseline_seeds']['command']})")
+    ours = _compare_args(results.get("command"), f"{shipped}/results.json")
+    theirs = _compare_args(new.get("command"), f"{seeds_dir}/compare.json")
+    if len(ours.seeds) != 1:
+        raise CaptError(f"the compare of {shipped} already has seeds {ours.seeds}: its table gives their mean")
+    rows = {r["method"]: r for r in results["rows"]}
+    baselines = [m for m in rows if m in TRAINABLE and m != "capt"]
+    bad = [r["method"] for r in new["rows"] if r["method"] not in baselines]
+    if bad:
+        raise CaptError(f"{seeds_dir} ran {', '.join(bad)}: it may hold only the compare's trained baselines "
+                        f"({', '.join(baselines)}); CaPT's seeds go in with --seeds when the card is written")
+    if ours.seeds[0] in theirs.seeds:
+        raise CaptError(f"{seeds_dir} ran seed {ours.seeds[0]}, the compare's own: give the other seeds")
+    diff = [k for k in vars(ours) if k not in FREE_IN_A_SEEDS_RUN and getattr(ours, k) != getattr(theirs, k)]
+    if diff:
+        raise CaptError(f"{seeds_dir} was not run like the compare of {shipped}: "
+                        + ", ".join(f"{k} {getattr(theirs, k)!r} there, {getattr(ours, k)!r} in the compare"
+                                    for k in diff))
+    methods, code = {}, None
+    for r in new["rows"]:
+        s = json.loads((seeds_dir / r["method"] / "summary.json").read_text())
+        runs = s.get("runs") or [s]
+        code = code or runs[0].get("code") or {}
+        entries = [{"seed": ours.seeds[0], "test": {k[5:]: v for k, v in rows[r["method"]].items()
+                                                   if k.startswith("test_") and not k.endswith("_std")}}]
+        entries += [_seed_entry(x) for x in runs]
+        methods[r["method"]] = {"runs": entries, "test": _mean_std_of([e["test"] for e in entries]),
+                                "train_seconds": s["train_seconds"]}
+    return {"command": new["command"], "seeds": [ours.seeds[0], *theirs.seeds], "commit": code.get("commit"),
+            "machine": code.get("machine"), "torch": code.get("torch"), "methods": methods}
+
+
+def _mean_std_of(metrics: list[dict]) -> dict:
+    """Each metric's mean and population std over the seeds (as capt.training's seed summaries)."""
+    from capt.training import _mean_std
+    return _mean_std(metrics)
+
+
+def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
+    """The card's line for the baselines' added seeds: every seed's score, the mean, how many pass each reference."""
+    key = primary[5:]
+    n = len(rec["seeds"])
+    refs = [r for r in rows if r["method"] not in TRAINABLE]
+    parts = []
+    for m, mr in rec["methods"].items():
+        metrics = [key] + [k for k in mr["runs"][0]["test"] if k != key]
+        scores = "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in mr['runs'])}, mean {_mean_std(mr['test'], k)}"
+                           for k in metrics)
+        above = ", ".join(f"{_n_above(mr['runs'], ref, key)} of {n} above "
+                          f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + key])}"
+                          for ref in refs)
+        parts.append(f"{m}: {scores} (best dev at steps {', '.join(str(r['best_step']) for r in mr['runs'][1:])}"
+                     f"{'; ' + above if above else ''})")
+    commit = f", commit {rec['commit'][:7]}" if rec.get("commit") else ""
+    where = f" on {_machine({'code': {'machine': rec['machine'], 'torch': rec['torch']}})}" if rec.get("machine") else ""
+    added = ", ".join(map(str, rec["seeds"][1:]))
+    return (f"Baselines, seeds {', '.join(map(str, rec['seeds']))}: seed {rec['seeds'][0]} is the table above; seeds "
+            f"{added} were added by the same compare for the baselines alone ({rec['command']}{commit}{where}). "
+            f"Test, seeds in that order: {'. '.join(parts)}. The README table gives these means, marked ({n}).")
+
+
+def add_baseline_seeds(shipped: Path, seeds_dir: Path) -> dict:
+    """Amend a shipped card (README.md and results.json, replaced together) with a baselines' seeds run."""
+    rec = baseline_seeds_record(shipped, seeds_dir)
+    results = json.loads((shipped / "results.json").read_text())
+    text = (shipped / "README.md").read_text()
+    if CARD_TAIL not in text:
+        raise CaptError(f"{shipped}/README.md was not written by train.card (no '{CARD_TAIL.strip()}' line)")
+    metric = "test_f1a" if "test_f1a" in results["rows"][0] else next(k for k in results["rows"][0] if k.startswith("test_"))
+    note = _baseline_seeds_note(rec, results["rows"], metric)
+    with atomic_folder(shipped) as tmp:
+        for f in shipped.iterdir():
+            if f.is_file():
+                shutil.copy(f, tmp / f.name)
+        (tmp / "README.md").write_text(text.replace(CARD_TAIL, f"\n- {note}" + CARD_TAIL, 1))
+        (tmp / "results.json").write_text(json.dumps({**results, "baseline_seeds": rec}, indent=2) + "\n")
+    return rec
+
+
 def _steps(steps) -> str:
     """A run's step count, or each seed's when they differ (early stopping)."""
     if isinstance(steps, list):
@@ -298,13 +414,22 @@ def results_table(folder: Path) -> str:
         compare = json.loads((run / "results.json").read_text())
         rows = {r["method"]: r for r in compare["rows"]}
         metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
-        cells = [metric_cell(rows[m], "test_" + metric) if m in rows else "-" for m in methods]   # mean ± std: seeds
+        cells = [_method_cell(compare, rows, m, metric) for m in methods]
         cells.insert(1, _seeds_cell(compare, rows["capt"], metric))
         minutes = rows["capt"]["train_seconds"] / 60
         budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
         budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
         lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {budget} | {minutes:.0f} min |")
     return "\n".join(lines)
+
+
+def _method_cell(compare: dict, rows: dict, method: str, metric: str) -> str:
+    """A method's cell: its compare row (mean ± std when the compare had seeds), or, for a baseline whose
+    seeds were added with --baseline-seeds, the mean ± std over them (how many)."""
+    added = (compare.get("baseline_seeds") or {}).get("methods", {}).get(method)
+    if added:
+        return f"{_mean_std(added['test'], metric)} ({len(added['runs'])})"
+    return metric_cell(rows[method], "test_" + metric) if method in rows else "-"
 
 
 def _seeds_cell(compare: dict, row: dict, metric: str) -> str:
@@ -331,9 +456,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", metavar="SEEDS_RUN", help="the --out folder of `python -m train --seeds 0 1 2 ...`, "
                    "CaPT alone with the compare's settings: every seed's score goes into the card and its mean "
                    "into the README table's seeds column (for a compare of one seed)")
+    p.add_argument("--baseline-seeds", metavar="SEEDS_RUN", help="amend the shipped card RUN (a capsule folder written "
+                   "by train.card from a one-seed compare) with the --out folder of `python -m train compare --methods "
+                   "linear-head p-tuning-v2 --seeds 1 2 ...` at the compare's settings")
     args = p.parse_args(argv)
     if args.table:
         print(results_table(Path(args.run)))
+        return 0
+    if args.baseline_seeds:
+        if args.to or args.seeds or args.note:
+            p.error("--baseline-seeds amends the shipped card given as RUN; it takes no --to, --seeds or --note")
+        try:
+            rec = add_baseline_seeds(Path(args.run), Path(args.baseline_seeds))
+        except CaptError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"added seeds {', '.join(map(str, rec['seeds'][1:]))} of {', '.join(rec['methods'])} to {args.run}")
         return 0
     if not args.to:
         p.error("--to is required unless --table is given")
