@@ -32,6 +32,7 @@ from capt.errors import CaptError
 from capt.files import atomic_folder
 from capt.methods import TRAINABLE
 from capt.training import DEFAULT_LR, metric_cell
+from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
 
 
 def _pct(x: float) -> str:
@@ -295,22 +296,19 @@ def baseline_seeds_record(shipped: Path, seeds_dir: Path) -> dict:
                                     for k in diff))
     methods, code = {}, None
     for r in new["rows"]:
-        s = json.loads((seeds_dir / r["method"] / "summary.json").read_text())
+        path = seeds_dir / r["method"] / "summary.json"
+        if not path.exists():
+            raise CaptError(f"{path} is missing: {seeds_dir}/compare.json lists {r['method']}, but its run is gone")
+        s = json.loads(path.read_text())
         runs = s.get("runs") or [s]
         code = code or runs[0].get("code") or {}
         entries = [{"seed": ours.seeds[0], "test": {k[5:]: v for k, v in rows[r["method"]].items()
                                                    if k.startswith("test_") and not k.endswith("_std")}}]
         entries += [_seed_entry(x) for x in runs]
-        methods[r["method"]] = {"runs": entries, "test": _mean_std_of([e["test"] for e in entries]),
+        methods[r["method"]] = {"runs": entries, "test": seeds_mean_std([e["test"] for e in entries]),
                                 "train_seconds": s["train_seconds"]}
     return {"command": new["command"], "seeds": [ours.seeds[0], *theirs.seeds], "commit": code.get("commit"),
             "machine": code.get("machine"), "torch": code.get("torch"), "methods": methods}
-
-
-def _mean_std_of(metrics: list[dict]) -> dict:
-    """Each metric's mean and population std over the seeds (as capt.training's seed summaries)."""
-    from capt.training import _mean_std
-    return _mean_std(metrics)
 
 
 def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
