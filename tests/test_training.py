@@ -403,6 +403,8 @@ def test_model_card_amended_with_baseline_seeds(toy_csv, tmp_path, capsys):
     assert "- Baselines, seeds 0, 1, 2: seed 0 is the table above; seeds 1, 2 were added" in text
     assert (f"linear-head: accuracy {', '.join(f'{100 * x:.1f}' for x in scores)}, mean {100 * mean:.1f} ± "
             f"{100 * std:.1f}") in text and f"{above} of 3 above majority class's {100 * majority:.1f}" in text
+    seconds = json.loads((added / "linear-head" / "summary.json").read_text())["train_seconds"]
+    assert f"; the added seeds trained in {seconds:,.0f} s)" in text
     assert text.endswith(before[before.index("\n\nMetrics are percentages"):])
     assert capt.load_capsule(shipped, tiny("tiny-llama"))[1].name == "toy"   # the capsule files came along
     capsys.readouterr()

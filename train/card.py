@@ -325,7 +325,7 @@ def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
                           f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + key])}"
                           for ref in refs)
         parts.append(f"{m}: {scores} (best dev at steps {', '.join(str(r['best_step']) for r in mr['runs'][1:])}"
-                     f"{'; ' + above if above else ''})")
+                     f"{'; ' + above if above else ''}; the added seeds trained in {mr['train_seconds']:,.0f} s)")
     commit = f", commit {rec['commit'][:7]}" if rec.get("commit") else ""
     where = f" on {_machine({'code': {'machine': rec['machine'], 'torch': rec['torch']}})}" if rec.get("machine") else ""
     added = ", ".join(map(str, rec["seeds"][1:]))
