@@ -35,6 +35,11 @@ from capt.training import DEFAULT_LR, metric_cell
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
 
 
+def _primary(row: dict) -> str:
+    """A compare row's main test metric: F1 over answers for MultiRC (the official one), else the first."""
+    return "test_f1a" if "test_f1a" in row else next(k for k in row if k.startswith("test_") and not k.endswith("_std"))
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -60,7 +65,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
         summary = {**shipped, "n_test": summary["n_test"], "seeds": seeds, "test_mean": summary["test"]}
     cfg = summary["config"]
     capt_row = next(r for r in rows if r["method"] == "capt")
-    primary = "test_f1a" if "test_f1a" in metric_keys else metric_keys[0]   # MultiRC: F1 over answers (official)
+    primary = _primary(rows[0])
     beats = [r["method"] for r in rows if r["method"] not in TRAINABLE
              and capt_row[primary] <= r[primary]]
     on = f" on {primary[5:]}" if primary != metric_keys[0] else ""
@@ -226,17 +231,24 @@ def _per_seed_table(per_seed: dict, rows: list[dict], primary: str) -> str:
             + "\n".join(lines) + f"\n\nBest dev at steps: {steps}.\n\n")
 
 
+def _scores(runs: list[dict], mean: dict, metrics: list[str]) -> str:
+    """Every seed's test score on each metric, then the mean ± std: 'accuracy 52.7, 52.3, 57.0, mean 54.0 ± 2.1'."""
+    return "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in runs)}, mean {_mean_std(mean, k)}" for k in metrics)
+
+
+def _above(runs: list[dict], rows: list[dict], key: str) -> str:
+    """How many seeds beat each training-free reference on `key`: '1 of 3 above zero-shot's 55.6, ...'."""
+    return ", ".join(f"{_n_above(runs, ref, key)} of {len(runs)} above "
+                     f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + key])}"
+                     for ref in rows if ref["method"] not in TRAINABLE)
+
+
 def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
     """The card's line for a seeds run: every seed's score, the mean, how many seeds pass each reference."""
     key = primary[5:]
     metrics = [key] + [k for k in rec["runs"][0]["test"] if k != key]
-    scores = "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in rec['runs'])}, mean {_mean_std(rec['test'], k)}"
-                       for k in metrics)
-    n = len(rec["runs"])
-    refs = "; ".join(f"on {k}, " + ", ".join(
-        f"{_n_above(rec['runs'], ref, k)} of {n} above "
-        f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + k])}"
-        for ref in rows if ref["method"] not in TRAINABLE) for k in dict.fromkeys([key, "accuracy"]) if k in metrics)
+    scores = _scores(rec["runs"], rec["test"], metrics)
+    refs = "; ".join(f"on {k}, " + _above(rec["runs"], rows, k) for k in dict.fromkeys([key, "accuracy"]) if k in metrics)
     commit = f", commit {rec['commit'][:7]}" if rec.get("commit") else ""
     repro = {True: f" Seed {rec['shipped_seed']} reproduced the shipped capsule bit for bit.",
              False: f" Seed {rec['shipped_seed']} trained a capsule that differs from the shipped one in its bits "
@@ -264,17 +276,13 @@ def _compare_args(command: str, where: str) -> argparse.Namespace:
         raise CaptError(f"{where}: its recorded command does not parse: {command!r}") from None
 
 
-def baseline_seeds_record(shipped: Path, seeds_dir: Path) -> dict:
+def baseline_seeds_record(results: dict, shipped: Path, seeds_dir: Path) -> dict:
     """A `python -m train compare --methods <baselines> --seeds ... --out SEEDS_DIR` run, checked to have the
     settings of the shipped card's one-seed compare (both recorded commands parsed alike; only methods, seeds,
     out, resume and quiet may differ), as results.json keeps it ("baseline_seeds"): per method, every seed's
-    test metrics (the compare's own seed first, from its row) and the mean ± std over all of them."""
-    try:
-        results = json.loads((shipped / "results.json").read_text())
-        new = json.loads((seeds_dir / "compare.json").read_text())
-    except FileNotFoundError as e:
-        raise CaptError(f"{e.filename} is missing: give a shipped card's folder and the --out folder of "
-                        "`python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...`") from None
+    test metrics (the compare's own seed first, from its row) and the mean ± std over all of them. `results`
+    is the shipped card's results.json."""
+    new = _read_json(seeds_dir / "compare.json")
     if results.get("baseline_seeds"):
         raise CaptError(f"{shipped} already has baselines' seeds ({results['baseline_seeds']['command']})")
     ours = _compare_args(results.get("command"), f"{shipped}/results.json")
@@ -315,15 +323,11 @@ def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
     """The card's line for the baselines' added seeds: every seed's score, the mean, how many pass each reference."""
     key = primary[5:]
     n = len(rec["seeds"])
-    refs = [r for r in rows if r["method"] not in TRAINABLE]
     parts = []
     for m, mr in rec["methods"].items():
         metrics = [key] + [k for k in mr["runs"][0]["test"] if k != key]
-        scores = "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in mr['runs'])}, mean {_mean_std(mr['test'], k)}"
-                           for k in metrics)
-        above = ", ".join(f"{_n_above(mr['runs'], ref, key)} of {n} above "
-                          f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + key])}"
-                          for ref in refs)
+        scores = _scores(mr["runs"], mr["test"], metrics)
+        above = _above(mr["runs"], rows, key)
         parts.append(f"{m}: {scores} (best dev at steps {', '.join(str(r['best_step']) for r in mr['runs'][1:])}"
                      f"{'; ' + above if above else ''}; the added seeds trained in {mr['train_seconds']:,.0f} s)")
     commit = f", commit {rec['commit'][:7]}" if rec.get("commit") else ""
@@ -334,15 +338,22 @@ def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
             f"Test, seeds in that order: {'. '.join(parts)}. The README table gives these means, marked ({n}).")
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CaptError(f"{path} is missing: give a shipped card's folder and the --out folder of "
+                        "`python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...`") from None
+
+
 def add_baseline_seeds(shipped: Path, seeds_dir: Path) -> dict:
     """Amend a shipped card (README.md and results.json, replaced together) with a baselines' seeds run."""
-    rec = baseline_seeds_record(shipped, seeds_dir)
-    results = json.loads((shipped / "results.json").read_text())
+    results = _read_json(shipped / "results.json")
+    rec = baseline_seeds_record(results, shipped, seeds_dir)
     text = (shipped / "README.md").read_text()
     if CARD_TAIL not in text:
         raise CaptError(f"{shipped}/README.md was not written by train.card (no '{CARD_TAIL.strip()}' line)")
-    metric = "test_f1a" if "test_f1a" in results["rows"][0] else next(k for k in results["rows"][0] if k.startswith("test_"))
-    note = _baseline_seeds_note(rec, results["rows"], metric)
+    note = _baseline_seeds_note(rec, results["rows"], _primary(results["rows"][0]))
     with atomic_folder(shipped) as tmp:
         for f in shipped.iterdir():
             if f.is_file():
@@ -411,7 +422,7 @@ def results_table(folder: Path) -> str:
     for run in runs:
         compare = json.loads((run / "results.json").read_text())
         rows = {r["method"]: r for r in compare["rows"]}
-        metric = "f1a" if "test_f1a" in rows["capt"] else "accuracy"
+        metric = _primary(rows["capt"])[5:]
         cells = [_method_cell(compare, rows, m, metric) for m in methods]
         cells.insert(1, _seeds_cell(compare, rows["capt"], metric))
         minutes = rows["capt"]["train_seconds"] / 60
