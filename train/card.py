@@ -35,9 +35,27 @@ from capt.training import DEFAULT_LR, metric_cell
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
 
 
+def _test_keys(row: dict) -> list[str]:
+    """A compare row's test metrics, in its order (test_accuracy, ...; not their _std companions)."""
+    return [k for k in row if k.startswith("test_") and not k.endswith("_std")]
+
+
 def _primary(row: dict) -> str:
     """A compare row's main test metric: F1 over answers for MultiRC (the official one), else the first."""
-    return "test_f1a" if "test_f1a" in row else next(k for k in row if k.startswith("test_") and not k.endswith("_std"))
+    return "test_f1a" if "test_f1a" in row else _test_keys(row)[0]
+
+
+def _ref_name(ref: dict) -> str:
+    """A training-free reference's name in prose: 'zero-shot', 'majority class'."""
+    return ref["method"].replace("majority", "majority class")
+
+
+def _read_json(path: Path, hint: str) -> dict:
+    """A run's or card's JSON file; a missing one is named, with what to give instead."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CaptError(f"{path} is missing: {hint}") from None
 
 
 def _pct(x: float) -> str:
@@ -53,7 +71,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
               extra: list | None = None, seeds_run: dict | None = None) -> str:
     rows = compare["rows"]
     steps = steps or {}
-    metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
+    metric_keys = _test_keys(rows[0])
     head = "| method | trainable params | train time (s) | steps | " + " | ".join(k[5:] for k in metric_keys) + " |"
     table = [head, "|" + "---|" * (4 + len(metric_keys))]
     for r in rows:
@@ -165,9 +183,7 @@ def seeds_record(seeds_dir: Path, run: Path, ref: dict) -> dict:
     compare RUN's CaPT run (`ref`, its summary.json), as results.json keeps it ("capt_seeds"): each seed's test and dev metrics, the mean ± std,
     and whether the seed the compare trained came out bit for bit the same capsule."""
     path = seeds_dir / "summary.json"
-    if not path.exists():
-        raise CaptError(f"{path} is missing: --seeds takes the --out folder of `python -m train --seeds 0 1 2 ...`")
-    s = json.loads(path.read_text())
+    s = _read_json(path, "--seeds takes the --out folder of `python -m train --seeds 0 1 2 ...`")
     if s.get("method") != "capt" or len(s.get("seeds") or []) < 2:
         raise CaptError(f"{seeds_dir} is not a several-seed CaPT run (method {s.get('method')}, seeds "
                         f"{s.get('seeds')}); give the --out folder of `python -m train --seeds 0 1 2 ...`")
@@ -219,7 +235,7 @@ def _per_seed_table(per_seed: dict, rows: list[dict], primary: str) -> str:
     refs = [r for r in rows if r["method"] not in TRAINABLE]
     n = len(first)
     lines = ["| method | metric | " + " | ".join(f"seed {r['seed']}" for r in first) + " | "
-             + " | ".join(f"seeds above {r['method'].replace('majority', 'majority class')}" for r in refs) + " |",
+             + " | ".join(f"seeds above {_ref_name(r)}" for r in refs) + " |",
              "|---|---|" + "---:|" * (n + len(refs))]
     for m, runs in per_seed.items():
         for k in metrics:
@@ -239,7 +255,7 @@ def _scores(runs: list[dict], mean: dict, metrics: list[str]) -> str:
 def _above(runs: list[dict], rows: list[dict], key: str) -> str:
     """How many seeds beat each training-free reference on `key`: '1 of 3 above zero-shot's 55.6, ...'."""
     return ", ".join(f"{_n_above(runs, ref, key)} of {len(runs)} above "
-                     f"{ref['method'].replace('majority', 'majority class')}'s {_pct(ref['test_' + key])}"
+                     f"{_ref_name(ref)}'s {_pct(ref['test_' + key])}"
                      for ref in rows if ref["method"] not in TRAINABLE)
 
 
@@ -260,6 +276,8 @@ def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
 
 
 # compare options that may differ between a shipped one-seed compare and its baselines' seeds run
+BASELINE_SEEDS_HINT = ("give a shipped card's folder and the --out folder of "
+                       "`python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...`")
 FREE_IN_A_SEEDS_RUN = ("methods", "seeds", "out", "resume", "quiet")
 
 
@@ -282,7 +300,7 @@ def baseline_seeds_record(results: dict, shipped: Path, seeds_dir: Path) -> dict
     out, resume and quiet may differ), as results.json keeps it ("baseline_seeds"): per method, every seed's
     test metrics (the compare's own seed first, from its row) and the mean ± std over all of them. `results`
     is the shipped card's results.json."""
-    new = _read_json(seeds_dir / "compare.json")
+    new = _read_json(seeds_dir / "compare.json", BASELINE_SEEDS_HINT)
     if results.get("baseline_seeds"):
         raise CaptError(f"{shipped} already has baselines' seeds ({results['baseline_seeds']['command']})")
     ours = _compare_args(results.get("command"), f"{shipped}/results.json")
@@ -304,14 +322,12 @@ def baseline_seeds_record(results: dict, shipped: Path, seeds_dir: Path) -> dict
                                     for k in diff))
     methods, code = {}, None
     for r in new["rows"]:
-        path = seeds_dir / r["method"] / "summary.json"
-        if not path.exists():
-            raise CaptError(f"{path} is missing: {seeds_dir}/compare.json lists {r['method']}, but its run is gone")
-        s = json.loads(path.read_text())
+        s = _read_json(seeds_dir / r["method"] / "summary.json",
+                       f"{seeds_dir}/compare.json lists {r['method']}, but its run is gone")
         runs = s.get("runs") or [s]
         code = code or runs[0].get("code") or {}
-        entries = [{"seed": ours.seeds[0], "test": {k[5:]: v for k, v in rows[r["method"]].items()
-                                                   if k.startswith("test_") and not k.endswith("_std")}}]
+        row = rows[r["method"]]
+        entries = [{"seed": ours.seeds[0], "test": {k[5:]: row[k] for k in _test_keys(row)}}]
         entries += [_seed_entry(x) for x in runs]
         methods[r["method"]] = {"runs": entries, "test": seeds_mean_std([e["test"] for e in entries]),
                                 "train_seconds": s["train_seconds"]}
@@ -338,17 +354,9 @@ def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
             f"Test, seeds in that order: {'. '.join(parts)}. The README table gives these means, marked ({n}).")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CaptError(f"{path} is missing: give a shipped card's folder and the --out folder of "
-                        "`python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...`") from None
-
-
 def add_baseline_seeds(shipped: Path, seeds_dir: Path) -> dict:
     """Amend a shipped card (README.md and results.json, replaced together) with a baselines' seeds run."""
-    results = _read_json(shipped / "results.json")
+    results = _read_json(shipped / "results.json", BASELINE_SEEDS_HINT)
     rec = baseline_seeds_record(results, shipped, seeds_dir)
     text = (shipped / "README.md").read_text()
     if CARD_TAIL not in text:
