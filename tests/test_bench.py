@@ -279,7 +279,8 @@ def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monke
     with pytest.raises(SystemExit, match="gpu.json is not a run of the same benchmark.*device, dtype"):
         bench.main(["--pool", str(paths[0]), str(gpu)])
     elsewhere = tmp_path / "elsewhere.json"   # the same set-up timed on another CPU
-    elsewhere.write_text(json.dumps(dict(runs[0], machine=dict(runs[0]["machine"], isa="AVX512"))))
+    other_isa = "AVX2" if runs[0]["machine"]["isa"] != "AVX2" else "AVX512"   # whatever this CPU is not
+    elsewhere.write_text(json.dumps(dict(runs[0], machine=dict(runs[0]["machine"], isa=other_isa))))
     with pytest.raises(SystemExit, match="elsewhere.json is not a run of the same benchmark.*dtype, machine"):
         bench.main(["--pool", str(paths[0]), str(elsewhere)])
     with pytest.raises(SystemExit, match="cannot read benchmark results"):
