@@ -18,6 +18,7 @@ import platform
 import random
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -245,6 +246,12 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     """
     from accelerate import Accelerator
 
+    if resume and (done := _finished_run(cfg)):
+        if progress:
+            print(f"{cfg.out_dir}: already finished with these settings (stopped by {done['stopped_by']} at step "
+                  f"{done['steps']}); kept as it is", file=sys.stderr)
+        (callback or (lambda event: None))({"kind": "done", **done})
+        return done
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     run = Run(cfg.out_dir if accelerator.is_main_process else None)
     data = prepare_data(cfg)
@@ -287,6 +294,22 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
         run.log({"kind": "done", "test": test, "dev": dev})
     emit({"kind": "done", **summary})
     return summary
+
+
+# A run that ended by its own budget or criterion; resumed with the same settings it would do nothing more.
+FINISHED = ("max_steps", "epochs", "early stopping", "no training")
+
+
+def _finished_run(cfg: TrainConfig) -> dict | None:
+    """The saved summary of cfg's run if it finished with exactly these settings (so `--resume` on a finished
+    compare skips it instead of re-evaluating it); None if it has to train, or resume, or was stopped early."""
+    path = Path(cfg.out_dir) / "summary.json" if cfg.out_dir else None
+    if path is None or not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    same = saved.get("config") == json.loads(json.dumps(asdict(cfg), default=str))
+    kept = saved.get("artifact") is None or Path(saved["artifact"]).exists()
+    return saved if same and kept and saved.get("stopped_by") in FINISHED else None
 
 
 def code_revision() -> dict:
@@ -393,6 +416,10 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
             _save_checkpoint(run.dir / "checkpoint", method, optimizer, state, best_params, cfg)
         return state["bad_evals"] >= cfg.patience
 
+    if state["bad_evals"] >= cfg.patience:   # resumed from the checkpoint of a run that stopped early
+        state["stopped_by"] = "early stopping"
+        bar.close()
+        return
     while state["step"] < total:
         batches = bucketed_batches(lengths, cfg.batch_size, cfg.seed, state["epoch"])
         # every process takes the same number of steps (the gradient averaging pairs them up)

@@ -485,3 +485,31 @@ def test_probe_cli_prints_and_saves_the_librarys_result(tmp_path, capsys):
     capt.save_capsule(cap, tmp_path / "bare", bb)   # saved without a task
     assert cli(["probe", "--capsule", str(tmp_path / "bare")]) == 2
     assert "was saved without a task; give --task (one of boolq, cb" in capsys.readouterr().err
+
+
+def test_resume_of_a_run_that_stopped_early_stays_stopped(toy_csv, tmp_path):
+    """A run killed after its early-stopping checkpoint (before its summary) resumes to the run it was: no
+    step past the stop. Resumed with its summary there and the same settings, it is returned as saved (the
+    log and files untouched); with a larger patience it trains on, as an uninterrupted run would."""
+    kw = dict(max_steps=30, eval_every=1, patience=1, lr=1e-6)   # a tiny lr: dev never improves after step 1
+    straight = train(toy(toy_csv, tmp_path / "a", **kw), progress=False)
+    assert straight["stopped_by"] == "early stopping" and straight["steps"] == 2
+    cfg = toy(toy_csv, tmp_path / "b", **kw)
+    train(cfg, progress=False)
+    run = tmp_path / "b" / "run"
+    (run / "summary.json").unlink()          # as if killed between the last checkpoint and the summary
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed["steps"] == 2 and resumed["stopped_by"] == "early stopping"
+    assert resumed["test"] == straight["test"] and resumed["train_seconds"] <= straight["train_seconds"] + 5
+    log = (run / "metrics.jsonl").read_text()
+    files = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    events = []
+    again = train(cfg, callback=events.append, resume=True, progress=False)
+    assert again == json.loads((run / "summary.json").read_text()) and events[-1]["kind"] == "done"
+    assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+    assert (run / "metrics.jsonl").read_text() == log
+    more = train(toy(toy_csv, tmp_path / "b", **dict(kw, patience=3)), resume=True, progress=False)
+    assert more["steps"] == 4 and more["stopped_by"] == "early stopping"
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "step"]
+    assert steps == [1, 2, 3, 4]
