@@ -600,9 +600,14 @@ def compare(cfg: TrainConfig, methods: list[str], seeds: list[int] = (0,), backb
     return rows
 
 
+def compare_metric_keys(row: dict) -> list[str]:
+    """A compare row's test metrics, in its order (test_accuracy, ...; not their _std companions)."""
+    return [k for k in row if k.startswith("test_") and not k.endswith("_std")]
+
+
 def format_table(rows: list[dict]) -> str:
     """A Markdown table of compare() rows (metrics as percentages)."""
-    metric_keys = [k for k in rows[0] if k.startswith("test_") and not k.endswith("_std")]
+    metric_keys = compare_metric_keys(rows[0])
     head = ["method", "trainable", "share %", "train s"] + [k[5:] for k in metric_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

@@ -31,18 +31,13 @@ import torch
 from capt.errors import CaptError
 from capt.files import atomic_folder
 from capt.methods import TRAINABLE
-from capt.training import DEFAULT_LR, metric_cell
+from capt.training import DEFAULT_LR, compare_metric_keys, metric_cell
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
-
-
-def _test_keys(row: dict) -> list[str]:
-    """A compare row's test metrics, in its order (test_accuracy, ...; not their _std companions)."""
-    return [k for k in row if k.startswith("test_") and not k.endswith("_std")]
 
 
 def _primary(row: dict) -> str:
     """A compare row's main test metric: F1 over answers for MultiRC (the official one), else the first."""
-    return "test_f1a" if "test_f1a" in row else _test_keys(row)[0]
+    return "test_f1a" if "test_f1a" in row else compare_metric_keys(row)[0]
 
 
 def _ref_name(ref: dict) -> str:
@@ -71,7 +66,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
               extra: list | None = None, seeds_run: dict | None = None) -> str:
     rows = compare["rows"]
     steps = steps or {}
-    metric_keys = _test_keys(rows[0])
+    metric_keys = compare_metric_keys(rows[0])
     head = "| method | trainable params | train time (s) | steps | " + " | ".join(k[5:] for k in metric_keys) + " |"
     table = [head, "|" + "---|" * (4 + len(metric_keys))]
     for r in rows:
@@ -327,7 +322,7 @@ def baseline_seeds_record(results: dict, shipped: Path, seeds_dir: Path) -> dict
         runs = s.get("runs") or [s]
         code = code or runs[0].get("code") or {}
         row = rows[r["method"]]
-        entries = [{"seed": ours.seeds[0], "test": {k[5:]: row[k] for k in _test_keys(row)}}]
+        entries = [{"seed": ours.seeds[0], "test": {k[5:]: row[k] for k in compare_metric_keys(row)}}]
         entries += [_seed_entry(x) for x in runs]
         methods[r["method"]] = {"runs": entries, "test": seeds_mean_std([e["test"] for e in entries]),
                                 "train_seconds": s["train_seconds"]}
