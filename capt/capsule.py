@@ -86,8 +86,8 @@ class Capsule(nn.Module):
         the hooks hand over each layer's fresh input), else a new tensor is returned; either way autograd
         records every write, so scores and gradients are the same (tested).
         """
-        w = self.weight[j].to(h.dtype)                                   # (d,)
-        rows = torch.arange(h.shape[0], device=h.device)
+        w = call.rows_of(self.weight)[j].to(h.dtype)                     # (d,)
+        rows = call.batch_rows(h)
         put = torch.Tensor.index_put_ if _writable(h) else torch.Tensor.index_put
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
@@ -101,7 +101,8 @@ class Capsule(nn.Module):
             x = F.conv1d(x, self.conv[j].unsqueeze(1).to(h.dtype), padding="same", groups=h.shape[-1])
             capsule = w + masked_mean(x.transpose(1, 2), call.mean_mask)
         else:
-            mean = masked_mean(h, call.mean_mask)                         # (B, d)
+            m, n = call.mean_weights(h)                                   # the mask as masked_mean uses it
+            mean = (m @ h).squeeze(1) / n                                 # (B, d): masked_mean(h, mean_mask)
             if fusion == "project":
                 low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, r)
                 mean = mean + low @ self.proj_b[j].to(h.dtype).T
@@ -164,6 +165,31 @@ class CallState:
 
     def __post_init__(self) -> None:   # per slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]
+        self._cache: dict = {}
+
+    # What every capsule layer of one call shares, made once per call rather than once per layer: on a GPU
+    # each is a kernel launch or autograd node per layer, and small batches are launch-bound. Same values
+    # and the same arithmetic as making them per layer, so scores and gradients are bit for bit the same.
+    def batch_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """(B,) 0..B-1 on h's device."""
+        return self._cached(("rows", h.device), lambda: torch.arange(h.shape[0], device=h.device))
+
+    def mean_weights(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 1, T') mean_mask in h's dtype and (B, 1) its counts (at least 1): masked_mean's two operands."""
+        def make():
+            m = self.mean_mask.to(device=h.device, dtype=h.dtype)
+            return m[:, None, :], m.sum(1, keepdim=True).clamp(min=1)
+        return self._cached(("mean", h.device, h.dtype), make)
+
+    def rows_of(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """weight's rows, split once per call: one autograd node (a single stack in backward) instead of a
+        select per layer, each of whose backward writes a zero-filled (n, d) gradient to be summed."""
+        return self._cached(("rows_of", id(weight)), lambda: weight.unbind(0))
+
+    def _cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
 
 @dataclass

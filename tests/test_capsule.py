@@ -236,6 +236,36 @@ def test_in_place_slot_writes_give_the_copys_scores_and_gradients(backbone, opti
         assert torch.allclose(g1[name], g2[name], atol=1e-6, rtol=1e-5), name
 
 
+@pytest.mark.parametrize("option", ["default", "prepend", "project", "inplace", "odd", "pooled"])
+def test_per_call_shared_values_give_the_per_layer_scores_and_gradients_bit_for_bit(backbone, option, monkeypatch):
+    """The batch rows, the mean's mask and counts and the capsule's rows are made once per call and shared by
+    every capsule layer; making them afresh at each layer must give exactly the same scores and gradients."""
+    import capt.capsule as C
+
+    cap = random_capsule(backbone, **OPTIONS[option])
+    rendered = _rendered(backbone)
+    y = torch.tensor([0, 1, 0])
+    cached, fuse, made, fused = C.CallState._cached, C.Capsule.fuse, [], []
+
+    def counting(self, key, make):
+        made.append(key[0]) if key not in self._cache else None
+        return cached(self, key, make)
+    monkeypatch.setattr(C.Capsule, "fuse", lambda *a: fused.append(1) or fuse(*a))
+    results = {}
+    for mode in ("once per call", "per layer"):
+        monkeypatch.setattr(C.CallState, "_cached", counting if mode == "once per call"
+                            else (lambda self, key, make: make()))
+        cap.zero_grad(set_to_none=True)
+        logits = score(backbone, cap, rendered).logits
+        torch.nn.functional.cross_entropy(logits, y).backward()
+        results[mode] = (logits.detach(), {n: p.grad.clone() for n, p in cap.named_parameters()})
+    calls = made.count("rows_of")                    # one per call of run()
+    assert calls and made.count("rows") == calls and len(fused) == 2 * calls * len(cap.layer_ids), made
+    (l1, g1), (l2, g2) = results.values()
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(g1[name], g2[name]) for name in g1)
+
+
 def test_writable_refuses_views_and_outputs_their_op_saves():
     from capt.capsule import _writable
 
