@@ -132,8 +132,13 @@ def check_device(device: str | torch.device) -> torch.device:
 
 def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", device: str | None = None,
                   revision: str | None = None, max_length: int | None = None,
-                  cache_dir: str | Path | None = None) -> Backbone:
-    """Load a backbone by short name or hub id; GPU when present, else CPU; float32 unless asked."""
+                  cache_dir: str | Path | None = None, random_weights: bool = False) -> Backbone:
+    """Load a backbone by short name or hub id; GPU when present, else CPU; float32 unless asked.
+
+    random_weights: the same architecture and tokenizer with seeded random weights (transformers' own
+    initialisation), for timing: a hub id or local folder then needs only its config and tokenizer, no
+    weights are downloaded. Its revision reads 'random-weights', so nothing trained on it passes for real.
+    """
     if dtype not in DTYPES:
         raise CaptError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
     device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -147,7 +152,10 @@ def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", devic
             raise CaptError(f"unknown backbone '{name}'; embedded: {', '.join(EMBEDDED)}; hub aliases: "
                             f"{', '.join(HUB_ALIASES)}; tiny test models: {', '.join(TINY)}; "
                             "or any hub id like 'Qwen/Qwen2.5-1.5B'")
-        model, tok, rev = _load_hub(key, revision)
+        model, tok, rev = _load_hub(key, revision, random_weights)
+    if random_weights:
+        with seeded(0):
+            model, rev = (model if key not in EMBEDDED + TINY else type(model)(model.config)), "random-weights"
     arch_of(model)  # refuse unsupported architectures before anything else
     model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
     if tok.pad_token is None:  # Llama-3 ships without one; any id works since pads are masked out
@@ -288,7 +296,7 @@ def _load_embedded(name: str, cache_root: Path):
 
 # --- hub backbones -----------------------------------------------------------------------------
 
-def _load_hub(repo_id: str, revision: str | None):
+def _load_hub(repo_id: str, revision: str | None, random_weights: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     try:
@@ -300,7 +308,15 @@ def _load_hub(repo_id: str, revision: str | None):
         raise CaptError(f"'{repo_id}' is a '{config.model_type}' model; supported architectures: "
                         f"{', '.join(sorted(_supported()))}")
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = auto.from_pretrained(repo_id, revision=revision, dtype=torch.float32)
+    if random_weights:  # config and tokenizer only
+        with seeded(0):
+            model = auto.from_config(config, dtype=torch.float32)
+    else:
+        try:
+            model = auto.from_pretrained(repo_id, revision=revision, dtype=torch.float32)
+        except OSError as e:
+            raise CaptError(f"could not load the weights of '{repo_id}' ({type(e).__name__}: {e}). To time its "
+                            "architecture alone, pass random_weights=True (train.bench: --random-weights)") from None
     tok = AutoTokenizer.from_pretrained(repo_id, revision=revision)
     return model, tok, getattr(model.config, "_commit_hash", None) or revision
 

@@ -148,3 +148,24 @@ def test_a_device_torch_does_not_know_or_this_machine_lacks_is_refused_clearly()
     else:
         with pytest.raises(capt.CaptError, match="does not exist"):
             check_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_random_weights_need_only_a_config_and_a_tokenizer(tmp_path):
+    """A folder (or hub id) with no weights loads as its architecture with seeded random weights, marked so;
+    without the flag it is refused with the way out."""
+    real = capt.load_backbone("tiny-qwen2")
+    real.model.config.save_pretrained(tmp_path)
+    real.tokenizer.save_pretrained(tmp_path)
+    assert not any(p.suffix in (".safetensors", ".bin") for p in tmp_path.iterdir())
+    with pytest.raises(capt.CaptError, match="could not load the weights of .* pass random_weights=True"):
+        capt.load_backbone(str(tmp_path))
+    a, b = (capt.load_backbone(str(tmp_path), random_weights=True) for _ in range(2))
+    assert a.revision == "random-weights" and real.revision != "random-weights"
+    assert (a.n_layers, a.hidden_size, a.n_heads, type(a.model)) == (real.n_layers, real.hidden_size, real.n_heads,
+                                                                    type(real.model))
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))  # seeded
+    assert not any(p.requires_grad for p in a.model.parameters()) and not a.model.training
+    assert capt.predict(a, capt.get_task("rte"), {"premise": "A.", "hypothesis": "B.", "label": 0},
+                        capsule=random_capsule(a)).label in ("entailment", "not_entailment")
+    named = capt.load_backbone("tiny-qwen2", random_weights=True)   # a named backbone: its weights re-drawn
+    assert named.revision == "random-weights" and named.name == "tiny-qwen2"

@@ -114,7 +114,7 @@ def test_device_and_dtype_reach_the_backbone_and_the_results(monkeypatch, capsys
     monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: asked.append(kw) or bb)
     res = bench.main(["--backbone", "tiny-llama", "--repeats", "1", "--warmup", "0", "--seq-len", "8",
                       "--batch-size", "2", "--device", "cpu", "--dtype", "float32"])
-    assert asked == [{"dtype": "float32", "device": "cpu"}]
+    assert asked == [{"dtype": "float32", "device": "cpu", "random_weights": False}]
     assert res["device"] == "cpu" and res["dtype"] == "float32"
     machine = describe_machine()   # the CPU and its vector instructions: times depend on them
     assert res["machine"] == machine
@@ -290,3 +290,27 @@ def test_pool_takes_every_round_of_several_runs_together(tmp_path, capsys, monke
     (tmp_path / "old.json").write_text(json.dumps(old))
     with pytest.raises(SystemExit, match="old.json has no capt-layer0 timings: an older train.bench wrote it"):
         bench.main(["--pool", str(tmp_path / "old.json"), str(tmp_path / "old.json")])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_random_weights_time_an_architecture_from_its_config_alone(tmp_path, capsys):
+    """--random-weights on a folder holding only a config and a tokenizer: the run says so in its header and
+    JSON, and --pool refuses to mix it with a run on real weights."""
+    real = tiny("tiny-llama")
+    folder = tmp_path / "arch"
+    real.model.config.save_pretrained(folder)
+    real.tokenizer.save_pretrained(folder)
+    args = ["--repeats", "1", "--warmup", "0", "--seq-len", "8", "--batch-size", "2"]
+    with pytest.raises(SystemExit, match="could not load the weights"):
+        bench.main(["--backbone", str(folder), *args])
+    res = bench.main(["--backbone", str(folder), "--random-weights", *args, "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert out.startswith(f"Backbone {folder} (seeded random weights): batch 2 x 8 tokens")
+    assert res["random_weights"] is True and json.loads((tmp_path / "r.json").read_text())["random_weights"]
+    assert res["rows"][1]["trainable"] == real.n_layers * real.hidden_size
+    other = bench.main(["--backbone", str(folder), "--random-weights", *args])
+    plain_path = tmp_path / "p.json"   # the same run without the marker: what a run on real weights writes
+    plain_path.write_text(json.dumps({k: v for k, v in other.items() if k != "random_weights"}))
+    with pytest.raises(SystemExit, match="p.json is not a run of the same benchmark.*random_weights"):
+        bench.main(["--pool", str(tmp_path / "r.json"), str(plain_path)])
+    assert bench.main(["--pool", str(tmp_path / "r.json"), str(tmp_path / "r.json")])["random_weights"] is True

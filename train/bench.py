@@ -5,6 +5,8 @@
     python -m train.bench --pool runs/b1.json runs/b2.json         # several --json runs' rounds as one
     python -m train.bench --backbone Qwen/Qwen2.5-1.5B --device cuda --dtype bfloat16   # on a GPU (timed
                                                                    # with the device synchronized)
+    python -m train.bench --backbone Qwen/Qwen2.5-7B --random-weights   # an architecture from its config and
+                                                                   # tokenizer alone, seeded random weights
 
 Training step = forward + backward + AdamW step (where there are parameters), on the same batches for
 every method, with one loss for all: log-softmax of the LM head at each row's last real token, two label
@@ -213,14 +215,14 @@ def task_batches(bb, task: str, n: int, batch_size: int, seed: int):
 
 def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int = 5, warmup: int = 1,
           seed: int = 0, bb=None, task: str | None = None, dtype: str = "float32", device: str | None = None,
-          profile: bool = False) -> dict:
+          profile: bool = False, random_weights: bool = False) -> dict:
     """Run every method round-robin; returns the numbers `format_table` prints (and --json writes)."""
     from capt.peft_baselines import PeftMethod
 
     torch.manual_seed(seed)
     if task:
         get_task(task)  # an unknown task fails here, before the backbone loads
-    bb = bb or load_backbone(backbone, dtype=dtype, device=device)
+    bb = bb or load_backbone(backbone, dtype=dtype, device=device, random_weights=random_weights)
     if bb.encoder_decoder:
         raise CaptError("the benchmark covers decoder-only backbones; give e.g. smollm2-135m or tiny-llama")
     if min(batch_size, seq_len, repeats) < 1 or warmup < 0:
@@ -254,6 +256,8 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
             "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
             "warmup": warmup, "threads": torch.get_num_threads(), "device": describe_device(bb.device),
             "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine(bb.device)}
+    if bb.revision == "random-weights":  # only then, so runs written before the flag still pool with new ones
+        meta["random_weights"] = True
     res = summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
     return {**res, "profile": ops} if ops else res
 
@@ -331,7 +335,7 @@ def pool(paths: list[Path]) -> dict:
             runs.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise CaptError(f"cannot read benchmark results {path}: {e}") from e
-    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype", "machine")
+    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype", "machine", "random_weights")
     for path, r in zip(paths[1:], runs[1:]):
         if "times" not in r or [r.get(k) for k in same] != [runs[0].get(k) for k in same] \
                 or list(r["times"]) != list(runs[0]["times"]):
@@ -387,7 +391,8 @@ def format_table(res: dict) -> str:
     if res.get("machine") and res.get("device") in (None, "cpu"):   # older JSON has no machine
         where += f" on {res['machine']['cpu']} ({res['machine']['isa']})"
     where += f", {res['dtype']}" if res.get("dtype") not in (None, "float32") else ""
-    lines = [f"Backbone {res['backbone']}: {shape}, {rounds}, {where}",
+    name = res["backbone"] + (" (seeded random weights)" if res.get("random_weights") else "")
+    lines = [f"Backbone {name}: {shape}, {rounds}, {where}",
              "", "| name | trainable params | median step s | x floor | 95 % interval | x floor (medians) |",
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | {_span(r)} | "
@@ -436,13 +441,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true",
                     help="also profile floor, floor-plus-1, capt-layer0 and capt on the same batches (after the "
                          "timing, untimed) and print the ops that make their difference")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the backbone's architecture with seeded random weights (a hub id or folder then needs "
+                         "only its config and tokenizer): times an architecture without its weights")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: print the table for these --json runs' rounds taken together")
     a = ap.parse_args(argv)
     try:
         res = pool(a.pool) if a.pool else bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed,
-                                                task=a.task, dtype=a.dtype, device=a.device, profile=a.profile)
+                                                task=a.task, dtype=a.dtype, device=a.device, profile=a.profile,
+                                                random_weights=a.random_weights)
     except CaptError as e:
         sys.exit(f"error: {e}")
     print(format_table(res))
