@@ -154,8 +154,10 @@ def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", devic
                             "or any hub id like 'Qwen/Qwen2.5-1.5B'")
         model, tok, rev = _load_hub(key, revision, random_weights)
     if random_weights:
-        with seeded(0):
-            model, rev = (model if key not in EMBEDDED + TINY else type(model)(model.config)), "random-weights"
+        if key in EMBEDDED + TINY:   # a hub model was built from its config alone, above
+            with seeded(0):
+                model = type(model)(model.config)
+        rev = "random-weights"
     arch_of(model)  # refuse unsupported architectures before anything else
     model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
     if tok.pad_token is None:  # Llama-3 ships without one; any id works since pads are masked out
