@@ -153,10 +153,8 @@ def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", devic
                             f"{', '.join(HUB_ALIASES)}; tiny test models: {', '.join(TINY)}; "
                             "or any hub id like 'Qwen/Qwen2.5-1.5B'")
         model, tok, rev = _load_hub(key, revision, random_weights)
-    if random_weights:
-        if key in EMBEDDED + TINY:   # a hub model was built from its config alone, above
-            with seeded(0):
-                model = type(model)(model.config)
+    if random_weights:   # a hub model was built from its config alone and a tiny one is seeded random already
+        model = _random_model(model.config) if key in EMBEDDED else model
         rev = "random-weights"
     arch_of(model)  # refuse unsupported architectures before anything else
     model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
@@ -299,7 +297,7 @@ def _load_embedded(name: str, cache_root: Path):
 # --- hub backbones -----------------------------------------------------------------------------
 
 def _load_hub(repo_id: str, revision: str | None, random_weights: bool = False):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(repo_id, revision=revision)
@@ -309,18 +307,28 @@ def _load_hub(repo_id: str, revision: str | None, random_weights: bool = False):
     if config.model_type not in _supported():
         raise CaptError(f"'{repo_id}' is a '{config.model_type}' model; supported architectures: "
                         f"{', '.join(sorted(_supported()))}")
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     if random_weights:  # config and tokenizer only
-        with seeded(0):
-            model = auto.from_config(config, dtype=torch.float32)
+        model = _random_model(config)
     else:
         try:
-            model = auto.from_pretrained(repo_id, revision=revision, dtype=torch.float32)
+            model = _auto_class(config).from_pretrained(repo_id, revision=revision, dtype=torch.float32)
         except OSError as e:
             raise CaptError(f"could not load the weights of '{repo_id}' ({type(e).__name__}: {e}). To time its "
                             "architecture alone, pass random_weights=True (train.bench: --random-weights)") from None
     tok = AutoTokenizer.from_pretrained(repo_id, revision=revision)
     return model, tok, getattr(model.config, "_commit_hash", None) or revision
+
+
+def _auto_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+
+
+def _random_model(config):
+    """config's architecture with seeded random weights (transformers' own initialisation), float32."""
+    with seeded(0):
+        return _auto_class(config).from_config(config, dtype=torch.float32)
 
 
 def _supported():

@@ -101,8 +101,7 @@ class Capsule(nn.Module):
             x = F.conv1d(x, self.conv[j].unsqueeze(1).to(h.dtype), padding="same", groups=h.shape[-1])
             capsule = w + masked_mean(x.transpose(1, 2), call.mean_mask)
         else:
-            m, n = call.mean_weights(h)                                   # the mask as masked_mean uses it
-            mean = (m @ h).squeeze(1) / n                                 # (B, d): masked_mean(h, mean_mask)
+            mean = masked_mean(h, call.mean_mask, call.mean_weights(h))   # (B, d)
             if fusion == "project":
                 low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, r)
                 mean = mean + low @ self.proj_b[j].to(h.dtype).T
@@ -134,11 +133,19 @@ def _writable(h: torch.Tensor) -> bool:
     return h.grad_fn is not None and type(h.grad_fn).__name__.startswith(_SAFE_PRODUCERS)
 
 
-def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(h: torch.Tensor, mask: torch.Tensor,
+                operands: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(B, T, d), (B, T) in {0,1} -> (B, d): mean over the positions where mask is 1 (one batched
-    matrix product: no (B, T, d) temporary)."""
-    m = mask.to(h.dtype)
-    return (m[:, None, :] @ h).squeeze(1) / m.sum(1, keepdim=True).clamp(min=1)
+    matrix product: no (B, T, d) temporary). operands: mean_operands(mask, h.dtype), when already made."""
+    m, n = operands or mean_operands(mask, h.dtype)
+    return (m @ h).squeeze(1) / n
+
+
+def mean_operands(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) in {0,1} -> what masked_mean multiplies by and divides by: the (B, 1, T) mask in `dtype` and its
+    (B, 1) counts (at least 1)."""
+    m = mask.to(dtype)
+    return m[:, None, :], m.sum(1, keepdim=True).clamp(min=1)
 
 
 def segment_means(h: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
@@ -175,11 +182,9 @@ class CallState:
         return self._cached(("rows", h.device), lambda: torch.arange(h.shape[0], device=h.device))
 
     def mean_weights(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, 1, T') mean_mask in h's dtype and (B, 1) its counts (at least 1): masked_mean's two operands."""
-        def make():
-            m = self.mean_mask.to(device=h.device, dtype=h.dtype)
-            return m[:, None, :], m.sum(1, keepdim=True).clamp(min=1)
-        return self._cached(("mean", h.device, h.dtype), make)
+        """mean_operands of mean_mask for h's device and dtype: masked_mean's two operands."""
+        return self._cached(("mean", h.device, h.dtype),
+                            lambda: mean_operands(self.mean_mask.to(h.device), h.dtype))
 
     def rows_of(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """weight's rows, split once per call: one autograd node (a single stack in backward) instead of a
