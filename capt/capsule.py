@@ -85,43 +85,52 @@ class Capsule(nn.Module):
         h: (B, T, d). The slot rows of h itself are overwritten when autograd allows it (see `_writable`:
         the hooks hand over each layer's fresh input), else a new tensor is returned; either way autograd
         records every write, so scores and gradients are the same (tested).
+
+        Written for few ops, because on a GPU a small backbone's step is bound by how many ops it launches,
+        not by their arithmetic (README, Speed): every value stays (B, 1, d), the shape the mean's matrix
+        product gives and the slot write takes (a scatter along T), so nothing is reshaped or indexed per
+        layer. The default costs four ops per layer forward (product, division, addition, write) and six
+        backward (tested), with masked_mean's arithmetic, so scores and gradients are bit for bit those of
+        W[l] + masked_mean(h) written with index_put (tested).
         """
-        w = call.rows_of(self.weight)[j].to(h.dtype)                     # (d,)
-        rows = call.batch_rows(h)
-        put = torch.Tensor.index_put_ if _writable(h) else torch.Tensor.index_put
+        w = call.rows_of(self.weight)[j]                                 # (d,)
+        if w.dtype != h.dtype:
+            w = w.to(h.dtype)
+        scatter = torch.Tensor.scatter_ if _writable(h) else torch.Tensor.scatter
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
-            for i, where in enumerate(call.pool_onehot):
-                h = put(h, (rows, where.long().argmax(1)), pooled[:, i])
+            for i in range(len(call.pool_onehot)):
+                h = scatter(h, 1, call.slot_gather(h, "pool", i), pooled[:, i:i + 1])
         fusion = self.config.fusion
         if fusion == "none":
-            capsule = w.expand(h.shape[0], -1)
+            capsule = w.expand(h.shape[0], 1, -1)
         elif fusion == "extract":
             x = (h * call.mean_mask[..., None]).transpose(1, 2)           # (B, d, T), pads zeroed
             x = F.conv1d(x, self.conv[j].unsqueeze(1).to(h.dtype), padding="same", groups=h.shape[-1])
-            capsule = w + masked_mean(x.transpose(1, 2), call.mean_mask)
+            capsule = w + call.mean(x.transpose(1, 2))                    # (B, 1, d)
         else:
-            mean = masked_mean(h, call.mean_mask, call.mean_weights(h))   # (B, d)
+            mean = call.mean(h)                                          # (B, 1, d)
             if fusion == "project":
-                low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, r)
+                low = mean @ self.proj_a[j].to(h.dtype).T                 # (B, 1, r)
                 mean = mean + low @ self.proj_b[j].to(h.dtype).T
             if fusion == "prepend":                                       # slot0 = mean, slot1 = W[l]
-                h = put(h, (rows, call.slot_index[0]), mean)
-                return put(h, (rows, call.slot_index[1]), w.expand_as(mean))
-            capsule = w + mean
+                h = scatter(h, 1, call.slot_gather(h, "slot", 0), mean)
+                return scatter(h, 1, call.slot_gather(h, "slot", 1), w.expand_as(mean))
+            capsule = w + mean                                            # the paper's c_l = W[l] + mean
         # One write at one position per row (torch.where over the whole (B, T, d) would cost two more full
         # passes per layer). In place it also skips a copy of h per layer: between -1.7 % and +3.9 % of a
         # SmolLM2 step over five train.bench runs (run-to-run noise; README, Speed).
-        where = (rows, call.slot_index[0])
+        where = call.slot_gather(h, "slot", 0)
         if self.config.placement == "inplace":                            # add onto the first real token
-            return put(h, where, capsule, accumulate=True)
-        return put(h, where, capsule)
+            add = torch.Tensor.scatter_add_ if scatter is torch.Tensor.scatter_ else torch.Tensor.scatter_add
+            return add(h, 1, where, capsule)
+        return scatter(h, 1, where, capsule)
 
 
 # Ops whose backward does not read their own output: a layer output they produced may be overwritten in
 # place (autograd then routes the overwritten rows' gradient to the capsule). Anything else -> a copy.
 _SAFE_PRODUCERS = ("AddBackward", "SubBackward", "WhereBackward", "IndexPutBackward", "CopySlices",
-                   "GatherBackward", "CloneBackward", "CatBackward")
+                   "GatherBackward", "CloneBackward", "CatBackward", "ScatterBackward", "ScatterAddBackward")
 
 
 def _writable(h: torch.Tensor) -> bool:
@@ -133,19 +142,19 @@ def _writable(h: torch.Tensor) -> bool:
     return h.grad_fn is not None and type(h.grad_fn).__name__.startswith(_SAFE_PRODUCERS)
 
 
-def masked_mean(h: torch.Tensor, mask: torch.Tensor,
-                operands: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T, d), (B, T) in {0,1} -> (B, d): mean over the positions where mask is 1 (one batched
-    matrix product: no (B, T, d) temporary). operands: mean_operands(mask, h.dtype), when already made."""
-    m, n = operands or mean_operands(mask, h.dtype)
-    return (m @ h).squeeze(1) / n
+    matrix product: no (B, T, d) temporary)."""
+    m, n = mean_operands(mask, h.dtype)
+    return (torch.bmm(m, h) / n).squeeze(1)
 
 
 def mean_operands(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) in {0,1} -> what masked_mean multiplies by and divides by: the (B, 1, T) mask in `dtype` and its
-    (B, 1) counts (at least 1)."""
-    m = mask.to(dtype)
-    return m[:, None, :], m.sum(1, keepdim=True).clamp(min=1)
+    (B, 1, 1) counts (at least 1). The division comes after the product, as in torch.mean: weights 1/n
+    made first would round 1/n itself (in bfloat16 to 8 bits) and give other last bits."""
+    m = mask.to(dtype)[:, None, :]
+    return m, m.sum(2, keepdim=True).clamp(min=1)
 
 
 def segment_means(h: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
@@ -177,14 +186,18 @@ class CallState:
     # What every capsule layer of one call shares, made once per call rather than once per layer: on a GPU
     # each is a kernel launch or autograd node per layer, and small batches are launch-bound. Same values
     # and the same arithmetic as making them per layer, so scores and gradients are bit for bit the same.
-    def batch_rows(self, h: torch.Tensor) -> torch.Tensor:
-        """(B,) 0..B-1 on h's device."""
-        return self._cached(("rows", h.device), lambda: torch.arange(h.shape[0], device=h.device))
+    def slot_gather(self, h: torch.Tensor, kind: str, i: int) -> torch.Tensor:
+        """(B, 1, d) index of capsule slot i (kind 'slot') or pooled slot i ('pool') along h's T, for
+        scatter / gather: each row's position, repeated over d (a broadcast view: no copy)."""
+        def make():
+            where = self.slot_index[i] if kind == "slot" else self.pool_onehot[i].long().argmax(1)
+            return where.to(h.device).view(-1, 1, 1).expand(-1, 1, h.shape[-1])
+        return self._cached((kind, i, h.device, h.shape[-1]), make)
 
-    def mean_weights(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """mean_operands of mean_mask for h's device and dtype: masked_mean's two operands."""
-        return self._cached(("mean", h.device, h.dtype),
-                            lambda: mean_operands(self.mean_mask.to(h.device), h.dtype))
+    def mean(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, 1, d): masked_mean over mean_mask, its operands made once per call."""
+        m, n = self._cached(("mean", h.device, h.dtype), lambda: mean_operands(self.mean_mask.to(h.device), h.dtype))
+        return torch.bmm(m, h) / n
 
     def rows_of(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """weight's rows, split once per call: one autograd node (a single stack in backward) instead of a
