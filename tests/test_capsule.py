@@ -371,8 +371,8 @@ def test_a_capsule_layer_costs_four_ops_forward_and_at_most_six_backward():
     """On a GPU a small backbone's step is bound by how many ops it launches (README, Speed), so the default
     write's op count is held: forward the mean's product and division, + W[l], one scatter; backward their
     gradients (division, product, W's sum over the batch), the slot's gather, the rest's zeroed scatter
-    and the sum of the two gradients reaching h. (ae1fd28's (B, d) values and index_put: 5 and 7 here, and
-    with their reshapes and autograd nodes 2.3 times the profiler events per step; README, Speed.)"""
+    and the sum of the two gradients reaching h. (ae1fd28's (B, d) values and index_put: 5 and 7 here, plus
+    the reshapes and autograd nodes that went with them; README, Speed.)"""
     fwd, bwd = _ops_per_layer("default")
     assert fwd == ["add", "bmm", "div", "scatter_"], fwd
     assert len(bwd) <= 6, bwd
