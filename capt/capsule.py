@@ -96,7 +96,8 @@ class Capsule(nn.Module):
         w = call.rows_of(self.weight)[j]                                 # (d,)
         if w.dtype != h.dtype:
             w = w.to(h.dtype)
-        scatter = torch.Tensor.scatter_ if _writable(h) else torch.Tensor.scatter
+        writable = _writable(h)
+        scatter = torch.Tensor.scatter_ if writable else torch.Tensor.scatter
         if call.pool_onehot:                                             # the training-free pooled slots
             pooled = segment_means(h, call.real_mask, len(call.pool_onehot))  # (B, k, d)
             for i in range(len(call.pool_onehot)):
@@ -122,7 +123,7 @@ class Capsule(nn.Module):
         # SmolLM2 step over five train.bench runs (run-to-run noise; README, Speed).
         where = call.slot_gather(h, "slot", 0)
         if self.config.placement == "inplace":                            # add onto the first real token
-            add = torch.Tensor.scatter_add_ if scatter is torch.Tensor.scatter_ else torch.Tensor.scatter_add
+            add = torch.Tensor.scatter_add_ if writable else torch.Tensor.scatter_add
             return add(h, 1, where, capsule)
         return scatter(h, 1, where, capsule)
 
@@ -179,8 +180,9 @@ class CallState:
     pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
     real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
 
-    def __post_init__(self) -> None:   # per slot, (B,) its position in each row
+    def __post_init__(self) -> None:   # per capsule slot and per pooled slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]
+        self.pool_index = [onehot.long().argmax(1) for onehot in self.pool_onehot]
         self._cache: dict = {}
 
     # What every capsule layer of one call shares, made once per call rather than once per layer: on a GPU
@@ -189,10 +191,9 @@ class CallState:
     def slot_gather(self, h: torch.Tensor, kind: str, i: int) -> torch.Tensor:
         """(B, 1, d) index of capsule slot i (kind 'slot') or pooled slot i ('pool') along h's T, for
         scatter / gather: each row's position, repeated over d (a broadcast view: no copy)."""
-        def make():
-            where = self.slot_index[i] if kind == "slot" else self.pool_onehot[i].long().argmax(1)
-            return where.to(h.device).view(-1, 1, 1).expand(-1, 1, h.shape[-1])
-        return self._cached((kind, i, h.device, h.shape[-1]), make)
+        where = (self.slot_index if kind == "slot" else self.pool_index)[i]
+        return self._cached((kind, i, h.device, h.shape[-1]),
+                            lambda: where.to(h.device).view(-1, 1, 1).expand(-1, 1, h.shape[-1]))
 
     def mean(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, 1, d): masked_mean over mean_mask, its operands made once per call."""
