@@ -234,7 +234,7 @@ def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.T
     is the instance information (default: all real tokens; scoring a continuation excludes it).
     prefix: a soft prompt's (m, d) or (B, m, d) embeddings instead of a capsule (see `_prefixed`).
     """
-    if not attention_mask.any(1).all():
+    if not capturing() and not attention_mask.any(1).all():   # reading a GPU value waits for the GPU
         raise CaptError("an input has no tokens; give non-empty text")
     if prefix is not None:
         if capsule is not None:
@@ -276,6 +276,13 @@ def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.T
     real_index = (pos + S * (pos >= first[:, None]))
     call = CallState(is_slot, inst2, T + S, pools, real2)
     return Inputs(embeds, mask2, _positions(mask2), real_index, call, first + K)
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured (train.bench --cuda-graphs). A capture records kernels
+    without running them and refuses any host read of a GPU value (a check like `if tensor.any()`), so
+    value checks are skipped there; whoever replays the graph checks what it feeds it."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _prefixed(backbone: Backbone, prefix: torch.Tensor, input_ids: torch.Tensor,

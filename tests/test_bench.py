@@ -314,3 +314,136 @@ def test_random_weights_time_an_architecture_from_its_config_alone(tmp_path, cap
     with pytest.raises(SystemExit, match="p.json is not a run of the same benchmark.*random_weights"):
         bench.main(["--pool", str(tmp_path / "r.json"), str(plain_path)])
     assert bench.main(["--pool", str(tmp_path / "r.json"), str(tmp_path / "r.json")])["random_weights"] is True
+
+
+# --- --cuda-graphs, checked as far as a CPU can: what would stop a capture, and the replay plumbing ---------
+
+class NoHostSync:
+    """A dispatch mode that refuses what CUDA graph capture refuses and a CPU run can see: reading a tensor's
+    value on the host (.item(), bool(t), `if t.any()`), and ops whose output size depends on values (nonzero,
+    boolean indexing, masked_select). A CPU run cannot see a CPU -> GPU copy; those are checked on a GPU."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                flat = [a for a in args if isinstance(a, (list, tuple))]
+                boolean_index = name in ("index", "index_put", "index_put_") and any(
+                    isinstance(t, torch.Tensor) and t.dtype == torch.bool for lst in flat for t in lst)
+                if name in ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal",
+                            "unique", "_unique2") or boolean_index:
+                    raise AssertionError(f"{func} reads a tensor's value on the host: not capturable")
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def fake_capture(monkeypatch, captured):
+    """bench.capture on a CPU: body() runs once as a capture would (under NoHostSync, with capture-aware code
+    told a capture is on: ours, capt.capsule.capturing, and transformers', which asks
+    torch.cuda.is_current_stream_capturing), and the replay calls body() again, as a replay reruns its
+    kernels on the same buffers."""
+    import capt.capsule as capsule_module
+
+    def capture(body, device, warmup=3):
+        with monkeypatch.context() as m:
+            m.setattr(capsule_module, "capturing", lambda: True)
+            m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            with NoHostSync():
+                body()
+        captured.append(body)
+        return body
+    monkeypatch.setattr(bench, "capture", capture)
+
+
+def test_no_host_sync_catches_what_capture_refuses():
+    """The checker itself can fail: build_inputs' empty-input check reads a value unless a capture is on."""
+    bb = tiny("tiny-llama")
+    ids = torch.arange(4, 12)[None]
+    with pytest.raises(AssertionError, match="not capturable"), NoHostSync():
+        capt.capsule.build_inputs(bb, None, ids, torch.ones_like(ids))
+    with pytest.raises(AssertionError, match="not capturable"), NoHostSync():
+        ids[:, ids[0] > 5]
+
+
+def test_a_graphed_step_copies_each_batch_into_its_buffers_and_leaves_the_batch_alone(monkeypatch):
+    seen, captured = [], []
+    fake_capture(monkeypatch, captured)
+    first = (torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([0]))
+    step = bench.graphed(lambda b: seen.append([t.clone() for t in b]), first, torch.device("cpu"))
+    second = (torch.tensor([[7, 8, 9]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([1]))
+    step(second)
+    assert len(captured) == 1 and len(seen) == 2                    # captured once, replayed once
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], first))  # the capture ran on a copy of the first
+    assert all(torch.equal(a, b) for a, b in zip(seen[1], second))  # the replay read the second
+    assert torch.equal(first[0], torch.tensor([[1, 2, 3]]))         # which was copied, not written into
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_cuda_graphs_capture_every_row_with_no_host_sync(tmp_path, capsys, monkeypatch):
+    """The whole --cuda-graphs path on a CPU with bench.capture faked (fake_capture): every row's step runs
+    under NoHostSync with capturing() true, so nothing in floor, CaPT (build_inputs, the hooks, the loss,
+    backward) or prediction would stop a capture; trainable rows ask AdamW for capturable=True (on a CPU
+    AdamW cannot be capturable, so it is built without, and its own step is left out of the check)."""
+    bb = tiny("tiny-llama")
+    monkeypatch.setattr(bench, "load_backbone", lambda name, **kw: bb)
+    monkeypatch.setattr(bench, "check_graphable", lambda *a: None)   # tested below; this CPU has no CUDA
+    captured, asked = [], []
+    fake_capture(monkeypatch, captured)
+    real_step = bench.train_step
+
+    def train_step(loss_fn, params, capturable=False):
+        asked.append((len(params) > 0, capturable))
+        step = real_step(loss_fn, params)
+        if step.optimizer:   # its CPU step reads its step count (.item()): left out of the check
+            step.optimizer.step = lambda real=step.optimizer.step: _unchecked(real)
+        return step
+    monkeypatch.setattr(bench, "train_step", train_step)
+    path = tmp_path / "g.json"
+    res = bench.main(["--backbone", "tiny-llama", "--repeats", "2", "--warmup", "1", "--seq-len", "12",
+                      "--batch-size", "2", "--cuda-graphs", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert len(captured) == 7                                       # floor, capt, 3 diagnostics, 2 predictions
+    assert asked == [(False, False), (True, True), (False, False), (False, False), (True, True)]
+    assert [r["name"] for r in res["rows"]] == ["floor", "capt"]
+    assert list(res["left_out"]) == ROWS[2:] and res["cuda_graphs"] is True
+    assert out.split("\n")[0].endswith("every step a replayed CUDA graph")
+    for name in ROWS[2:]:
+        assert re.search(rf"^\| {name} \| left out: PEFT copies a CPU tensor to the GPU", out, re.M)
+    assert all(len(t) == 2 for t in res["times"].values())
+    eager = bench.main(["--backbone", "tiny-llama", "--repeats", "1", "--warmup", "0", "--seq-len", "12",
+                        "--batch-size", "2", "--json", str(tmp_path / "e.json")])
+    assert "cuda_graphs" not in eager                               # eager runs' JSON stays as before
+    with pytest.raises(SystemExit, match="not a run of the same benchmark"):
+        bench.main(["--pool", str(path), str(tmp_path / "e.json")])
+    pooled = bench.main(["--pool", str(path), str(path)])
+    assert pooled["cuda_graphs"] is True and pooled["left_out"] == res["left_out"]
+
+
+def _unchecked(fn):
+    """fn() with any NoHostSync mode above it switched off (the CPU optimizer step)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return fn()
+
+
+def test_cuda_graphs_are_refused_clearly_where_they_cannot_run(monkeypatch):
+    monkeypatch.setattr(bench, "load_backbone", lambda *a, **kw: pytest.fail("loaded before refusing"))
+    base = ["--backbone", "tiny-llama", "--repeats", "1", "--cuda-graphs"]
+    with pytest.raises(SystemExit, match="every batch needs the same shape: use the default random rows"):
+        bench.main([*base, "--task", "rte"])
+    with pytest.raises(SystemExit, match="give one of --profile and --cuda-graphs"):
+        bench.main([*base, "--profile"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU; the device here is cpu"):
+        bench.main([*base, "--device", "cpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU; the device here is cpu"):
+            bench.main(base)

@@ -7,6 +7,8 @@
                                                                    # with the device synchronized)
     python -m train.bench --backbone Qwen/Qwen2.5-7B --random-weights   # an architecture from its config and
                                                                    # tokenizer alone, seeded random weights
+    python -m train.bench --backbone smollm2-135m --device cuda --cuda-graphs   # each step captured once as a
+                                                                   # CUDA graph and replayed (see below)
 
 Training step = forward + backward + AdamW step (where there are parameters), on the same batches for
 every method, with one loss for all: log-softmax of the LM head at each row's last real token, two label
@@ -29,6 +31,14 @@ feeds them; --seq-len is then unused).
     capt / floor-plus-1  capt's paired ratio to floor-plus-1: the capsule's work without the extra token
     capt / capt-layer0   the per-layer mean and slot write of layers 1..L-1 alone
 Prediction = forward only, no grad, batch 1 (each batch's first row, unpadded), with and without the capsule.
+
+--cuda-graphs (a CUDA GPU, the default random rows): each row's whole step (forward, backward, optimizer)
+is captured once as a CUDA graph and each round replays it on that round's batch, copied into the graph's
+input buffers. Eager, a small model's step on a GPU is bound by how fast the host launches kernels, and
+CaPT's per-layer mean and slot write add ten small kernels per layer; a replay launches every kernel at
+once, so the ratios then measure the GPU's work. PEFT's rows are left out there: its prompt-learning
+forward makes its prefix attention mask on the CPU and copies it to the GPU on every call, and a copy
+from unpinned CPU memory cannot be captured.
 
 Why round-robin: a shared CPU drifts (another job starts, the clock throttles, caches warm). Timing
 method A for five steps and then method B would put that drift into the A/B ratio; instead round r
@@ -54,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from capt.backbones import load_backbone
+from capt.backbones import check_device, load_backbone
 from capt.capsule import Capsule, build_inputs, run
 from capt.config import CapsuleConfig
 from capt.errors import CaptError
@@ -102,8 +112,9 @@ def round_robin(fns: dict, batches: list, warmup: int, sync=lambda: None) -> dic
 
 # --- the steps ---------------------------------------------------------------------------------
 
-def label_loss(logp: torch.Tensor, label_ids: list[int], y: torch.Tensor) -> torch.Tensor:
-    """(B, V) log-probs at the last position -> CE over the two label words (CaPT's verbalizer loss)."""
+def label_loss(logp: torch.Tensor, label_ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, V) log-probs at the last position -> CE over the two label words (CaPT's verbalizer loss).
+    label_ids: a tensor on logp's device (a Python list would be copied to the GPU on every call)."""
     return F.cross_entropy(logp[:, label_ids], y)
 
 
@@ -150,9 +161,10 @@ def minus_one(batch):
     return ids[:, 1:], mask[:, 1:], y
 
 
-def train_step(loss_fn, params: list):
-    """forward + backward (+ AdamW step when there are parameters) as one callable on a batch."""
-    opt = torch.optim.AdamW(params, lr=1e-3) if params else None
+def train_step(loss_fn, params: list, capturable: bool = False):
+    """forward + backward (+ AdamW step when there are parameters) as one callable on a batch.
+    capturable: AdamW keeps its step count on the GPU, so the step can be captured in a CUDA graph."""
+    opt = torch.optim.AdamW(params, lr=1e-3, capturable=capturable) if params else None
 
     def step(batch):
         ids, mask, y = batch
@@ -162,18 +174,55 @@ def train_step(loss_fn, params: list):
         loss.backward()
         if opt:
             opt.step()
+    step.optimizer = opt
     return step
 
 
 def predict_step(bb, capsule):
-    """Forward only, no grad, batch 1: the backbone with or without the capsule, LM head at the end."""
+    """Forward only, no grad: the backbone with or without the capsule, LM head at the end (on `first_row`)."""
     @torch.no_grad()
     def step(batch):
         ids, mask, _ = batch
-        ids = ids[:1, mask[0].bool()]                      # the first row, unpadded
-        out, _ = run(bb, capsule, ids, torch.ones_like(ids))
+        out, _ = run(bb, capsule, ids, mask)
         lm_logits(bb, out.last_hidden_state[:, -1])
     return step
+
+
+def first_row(batch):
+    """What a prediction gets: the batch's first row, unpadded (batch 1)."""
+    ids, mask, y = batch
+    ids = ids[:1, mask[0].bool()]
+    return ids, torch.ones_like(ids), y[:1]
+
+
+def graphed(fn, batch, device: torch.device):
+    """fn captured once as a CUDA graph on a copy of `batch`; returns step(batch), which copies a batch of
+    the same shapes into the graph's input buffers and replays it."""
+    static = tuple(t.clone() for t in batch)
+    replay = capture(lambda: fn(static), device)
+
+    def step(b):
+        for buffer, t in zip(static, b):
+            buffer.copy_(t)
+        replay()
+    return step
+
+
+def capture(body, device: torch.device, warmup: int = 3):
+    """body() recorded as a CUDA graph on `device`; returns its replay. PyTorch's whole-network recipe:
+    warm-up calls on a side stream first (lazy initialisations, the optimizer's state), then the capture
+    on that same stream, so per-stream workspaces made in the warm-up serve the capture."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            body()
+    return graph.replay
 
 
 # --- the benchmark -----------------------------------------------------------------------------
@@ -215,41 +264,52 @@ def task_batches(bb, task: str, n: int, batch_size: int, seed: int):
 
 def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int = 5, warmup: int = 1,
           seed: int = 0, bb=None, task: str | None = None, dtype: str = "float32", device: str | None = None,
-          profile: bool = False, random_weights: bool = False) -> dict:
+          profile: bool = False, random_weights: bool = False, cuda_graphs: bool = False) -> dict:
     """Run every method round-robin; returns the numbers `format_table` prints (and --json writes)."""
     from capt.peft_baselines import PeftMethod
 
     torch.manual_seed(seed)
     if task:
         get_task(task)  # an unknown task fails here, before the backbone loads
+    if cuda_graphs:
+        check_graphable(bb.device if bb else device, task, profile)
     bb = bb or load_backbone(backbone, dtype=dtype, device=device, random_weights=random_weights)
     if bb.encoder_decoder:
         raise CaptError("the benchmark covers decoder-only backbones; give e.g. smollm2-135m or tiny-llama")
     if min(batch_size, seq_len, repeats) < 1 or warmup < 0:
         raise CaptError("batch-size, seq-len and repeats must be at least 1, warmup at least 0")
     words = custom_task("bench", ["text"], {"yes": " yes", "no": " no"})
-    label_ids = [bb.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")]
+    label_ids = torch.tensor([bb.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no")],
+                             device=bb.device)
     capsule = Capsule.for_backbone(bb, seed=seed)
     layer0 = Capsule.for_backbone(bb, CapsuleConfig(layers=[0]), seed=seed)
-    steps = {"floor": (train_step(lambda i, m, y: floor_loss(bb, i, m, label_ids, y), []), 0),
+    floor = lambda i, m, y: floor_loss(bb, i, m, label_ids, y)  # noqa: E731
+    # name -> (step on a batch, what the batch goes through first, trainable parameters)
+    steps = {"floor": (train_step(floor, []), None, 0),
              "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
-                                 list(capsule.parameters())), capsule.n_capsule_params())}
-    diagnostic = {"floor-plus-1": lambda b, f=steps["floor"][0]: f(plus_one(b)),
-                  "floor-minus-1": lambda b, f=steps["floor"][0]: f(minus_one(b)),
-                  "capt-layer0": train_step(lambda i, m, y: capt_loss(bb, layer0, i, m, label_ids, y),
-                                            list(layer0.parameters()))}
+                                 list(capsule.parameters()), cuda_graphs), None, capsule.n_capsule_params())}
+    diagnostic = {"floor-plus-1": (train_step(floor, []), plus_one), "floor-minus-1": (train_step(floor, []), minus_one),
+                  "capt-layer0": (train_step(lambda i, m, y: capt_loss(bb, layer0, i, m, label_ids, y),
+                                             list(layer0.parameters()), cuda_graphs), None)}
+    left_out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         for kind, m in PEFT_ROWS:
+            if cuda_graphs:
+                left_out[f"{kind}-{m}"] = "PEFT copies a CPU tensor to the GPU in every forward, which a CUDA graph cannot capture"
+                continue
             method = PeftMethod(bb, words, kind, num_virtual_tokens=m, seed=seed)
             params = [p for p in method.parameters() if p.requires_grad]
             steps[f"{kind}-{m}"] = (train_step(lambda i, mk, y, me=method: peft_loss(me, i, mk, label_ids, y),
-                                               params), method.n_trainable())
-        fns = {name: fn for name, (fn, _) in steps.items()}
-        fns.update(diagnostic)
-        fns.update({"predict": predict_step(bb, None), "predict+capsule": predict_step(bb, capsule)})
+                                               params), None, method.n_trainable())
+        every = {name: (fn, prep) for name, (fn, prep, _) in steps.items()}
+        every.update(diagnostic)
+        every.update({"predict": (predict_step(bb, None), first_row),
+                       "predict+capsule": (predict_step(bb, capsule), first_row)})
         batches = (task_batches(bb, task, warmup + repeats, batch_size, seed) if task
                    else make_batches(bb, warmup + repeats, batch_size, seq_len, seed))
+        fns = {name: staged(fn, prep, batches[0] if cuda_graphs else None, bb.device)
+               for name, (fn, prep) in every.items()}
         times = round_robin(fns, batches, warmup, synchronizer(bb.device))
         ops = profile_ops(fns, batches[warmup:], bb.device) if profile else None
     meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
@@ -258,8 +318,33 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
             "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine(bb.device)}
     if bb.revision == "random-weights":  # only then, so runs written before the flag still pool with new ones
         meta["random_weights"] = True
-    res = summarize(times, {name: n for name, (_, n) in steps.items()}, list(diagnostic), meta)
+    if cuda_graphs:                      # likewise
+        meta.update(cuda_graphs=True, left_out=left_out)
+    res = summarize(times, {name: n for name, (_, _, n) in steps.items()}, list(diagnostic), meta)
     return {**res, "profile": ops} if ops else res
+
+
+def staged(fn, prep, graph_batch, device):
+    """step(batch) = fn(prep(batch)), run eagerly; or, given graph_batch, fn captured as a CUDA graph on
+    prep(graph_batch) and replayed (prep runs outside the graph: it may read values, as first_row does)."""
+    prep = prep or (lambda b: b)
+    if graph_batch is None:
+        return lambda b: fn(prep(b))
+    replay = graphed(fn, prep(graph_batch), device)
+    return lambda b: replay(prep(b))
+
+
+def check_graphable(device, task, profile) -> None:
+    """--cuda-graphs needs batches of one shape and a CUDA device: a clear error before anything loads."""
+    if task:
+        raise CaptError("--cuda-graphs replays one captured step per method, so every batch needs the same shape: "
+                        "use the default random rows (--batch-size, --seq-len), not --task")
+    if profile:
+        raise CaptError("--profile times each op as it runs; a replayed CUDA graph has no ops to time: "
+                        "give one of --profile and --cuda-graphs")
+    dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda":
+        raise CaptError(f"--cuda-graphs captures CUDA graphs and needs a CUDA GPU; the device here is {dev}")
 
 
 PROFILED = ("floor", "floor-plus-1", "capt-layer0", "capt")
@@ -335,7 +420,8 @@ def pool(paths: list[Path]) -> dict:
             runs.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as e:
             raise CaptError(f"cannot read benchmark results {path}: {e}") from e
-    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype", "machine", "random_weights")
+    same = ("backbone", "batch_size", "seq_len", "task", "threads", "device", "dtype", "machine", "random_weights",
+            "cuda_graphs")
     for path, r in zip(paths[1:], runs[1:]):
         if "times" not in r or [r.get(k) for k in same] != [runs[0].get(k) for k in same] \
                 or list(r["times"]) != list(runs[0]["times"]):
@@ -347,7 +433,7 @@ def pool(paths: list[Path]) -> dict:
         raise CaptError(f"{paths[0]} has no {', '.join(missing)} timings: an older train.bench wrote it; "
                         f"rerun the benchmark with this version to pool it")
     times = {name: [t for r in runs for t in r["times"][name]] for name in first["times"]}
-    meta = {k: first.get(k) for k in (*same, "warmup")}
+    meta = {k: first.get(k) for k in (*same, "warmup", "left_out")}
     meta.update(repeats=sum(r["repeats"] for r in runs), pooled=[str(p) for p in paths],
                 batch_lengths=sorted(n for r in runs for n in r.get("batch_lengths", [])))
     return summarize(times, {r["name"]: r["trainable"] for r in first["rows"]},
@@ -391,12 +477,14 @@ def format_table(res: dict) -> str:
     if res.get("machine") and res.get("device") in (None, "cpu"):   # older JSON has no machine
         where += f" on {res['machine']['cpu']} ({res['machine']['isa']})"
     where += f", {res['dtype']}" if res.get("dtype") not in (None, "float32") else ""
+    where += ", every step a replayed CUDA graph" if res.get("cuda_graphs") else ""
     name = res["backbone"] + (" (seeded random weights)" if res.get("random_weights") else "")
     lines = [f"Backbone {name}: {shape}, {rounds}, {where}",
              "", "| name | trainable params | median step s | x floor | 95 % interval | x floor (medians) |",
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['trainable']:,} | {r['median_s']:.4f} | {r['ratio']:.3f} | {_span(r)} | "
               f"{r['ratio_of_medians']:.3f} |" for r in res["rows"]]
+    lines += [f"| {name} | left out: {why} | | | | |" for name, why in (res.get("left_out") or {}).items()]
     lines += ["", "| where CaPT's extra time goes (diagnostic) | median step s | x floor | 95 % interval | "
               "x floor (medians) |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['median_s']:.4f} | {r['ratio']:.3f} | {_span(r)} | {r['ratio_of_medians']:.3f} |"
@@ -444,6 +532,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--random-weights", action="store_true",
                     help="the backbone's architecture with seeded random weights (a hub id or folder then needs "
                          "only its config and tokenizer): times an architecture without its weights")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="capture each row's step once as a CUDA graph and replay it (a CUDA GPU; see above)")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: print the table for these --json runs' rounds taken together")
@@ -451,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         res = pool(a.pool) if a.pool else bench(a.backbone, a.batch_size, a.seq_len, a.repeats, a.warmup, a.seed,
                                                 task=a.task, dtype=a.dtype, device=a.device, profile=a.profile,
-                                                random_weights=a.random_weights)
+                                                random_weights=a.random_weights, cuda_graphs=a.cuda_graphs)
     except CaptError as e:
         sys.exit(f"error: {e}")
     print(format_table(res))
