@@ -120,7 +120,7 @@ class Capsule(nn.Module):
             capsule = w + mean                                            # the paper's c_l = W[l] + mean
         # One write at one position per row (torch.where over the whole (B, T, d) would cost two more full
         # passes per layer). In place it also skips a copy of h per layer: between -1.7 % and +3.9 % of a
-        # SmolLM2 step over five train.bench runs (run-to-run noise; README, Speed).
+        # SmolLM2 step over five train.bench runs (run-to-run noise; train/BENCHMARKS.md).
         where = call.slot_gather(h, "slot", 0)
         if self.config.placement == "inplace":                            # add onto the first real token
             add = torch.Tensor.scatter_add_ if writable else torch.Tensor.scatter_add

@@ -372,7 +372,7 @@ def test_a_capsule_layer_costs_four_ops_forward_and_at_most_six_backward():
     write's op count is held: forward the mean's product and division, + W[l], one scatter; backward their
     gradients (division, product, W's sum over the batch), the slot's gather, the rest's zeroed scatter
     and the sum of the two gradients reaching h. (ae1fd28's (B, d) values and index_put: 5 and 7 here, plus
-    the reshapes and autograd nodes that went with them; README, Speed.)"""
+    the reshapes and autograd nodes that went with them; train/BENCHMARKS.md.)"""
     fwd, bwd = _ops_per_layer("default")
     assert fwd == ["add", "bmm", "div", "scatter_"], fwd
     assert len(bwd) <= 6, bwd
