@@ -35,8 +35,8 @@ Prediction = forward only, no grad, batch 1 (each batch's first row, unpadded), 
 --cuda-graphs (a CUDA GPU, the default random rows): each row's whole step (forward, backward, optimizer)
 is captured once as a CUDA graph and each round replays it on that round's batch, copied into the graph's
 input buffers. Eager, a small model's step on a GPU is bound by how fast the host launches kernels, and
-CaPT's per-layer mean and slot write add ten small kernels per layer; a replay launches every kernel at
-once, so the ratios then measure the GPU's work. PEFT's rows are left out there: its prompt-learning
+CaPT's per-layer mean and slot write add ten small ops per layer (four forward, six backward); a replay
+launches the whole step at once, so the ratios then measure the GPU's work. PEFT's rows are left out there: its prompt-learning
 forward makes its prefix attention mask on the CPU and copies it to the GPU on every call, and a copy
 from unpinned CPU memory cannot be captured.
 
@@ -288,7 +288,8 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     steps = {"floor": (train_step(floor, []), None, 0),
              "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
                                  list(capsule.parameters()), cuda_graphs), None, capsule.n_capsule_params())}
-    diagnostic = {"floor-plus-1": (train_step(floor, []), plus_one), "floor-minus-1": (train_step(floor, []), minus_one),
+    diagnostic = {"floor-plus-1": (train_step(floor, []), plus_one),
+                  "floor-minus-1": (train_step(floor, []), minus_one),
                   "capt-layer0": (train_step(lambda i, m, y: capt_loss(bb, layer0, i, m, label_ids, y),
                                              list(layer0.parameters()), cuda_graphs), None)}
     left_out = {}
@@ -296,7 +297,8 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
         warnings.simplefilter("ignore", FutureWarning)
         for kind, m in PEFT_ROWS:
             if cuda_graphs:
-                left_out[f"{kind}-{m}"] = "PEFT copies a CPU tensor to the GPU in every forward, which a CUDA graph cannot capture"
+                left_out[f"{kind}-{m}"] = ("PEFT copies a CPU tensor to the GPU in every forward, which a CUDA graph "
+                                           "cannot capture")
                 continue
             method = PeftMethod(bb, words, kind, num_virtual_tokens=m, seed=seed)
             params = [p for p in method.parameters() if p.requires_grad]
