@@ -310,7 +310,7 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
                        "predict+capsule": (predict_step(bb, capsule), first_row)})
         batches = (task_batches(bb, task, warmup + repeats, batch_size, seed) if task
                    else make_batches(bb, warmup + repeats, batch_size, seq_len, seed))
-        fns = {name: staged(fn, prep, batches[0] if cuda_graphs else None, bb.device)
+        fns = {name: staged(fn, prep, batches if cuda_graphs else None, bb.device)
                for name, (fn, prep) in every.items()}
         times = round_robin(fns, batches, warmup, synchronizer(bb.device))
         ops = profile_ops(fns, batches[warmup:], bb.device) if profile else None
@@ -326,14 +326,16 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     return {**res, "profile": ops} if ops else res
 
 
-def staged(fn, prep, graph_batch, device):
-    """step(batch) = fn(prep(batch)), run eagerly; or, given graph_batch, fn captured as a CUDA graph on
-    prep(graph_batch) and replayed (prep runs outside the graph: it may read values, as first_row does)."""
+def staged(fn, prep, graph_batches, device):
+    """step(batch) = fn(prep(batch)), run eagerly; or, given graph_batches (the run's batches), fn captured as
+    a CUDA graph on the first one and replayed on each. prep then runs once per batch before any timing, as
+    it may read values (first_row does) and its ops would otherwise be timed beside a replay's few."""
     prep = prep or (lambda b: b)
-    if graph_batch is None:
+    if graph_batches is None:
         return lambda b: fn(prep(b))
-    replay = graphed(fn, prep(graph_batch), device)
-    return lambda b: replay(prep(b))
+    prepared = {id(b): prep(b) for b in graph_batches}
+    replay = graphed(fn, prepared[id(graph_batches[0])], device)
+    return lambda b: replay(prepared[id(b)])
 
 
 def check_graphable(device, task, profile) -> None:
