@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from conftest import tiny
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import capt
 from capt.training import describe_machine
@@ -318,31 +319,20 @@ def test_random_weights_time_an_architecture_from_its_config_alone(tmp_path, cap
 
 # --- --cuda-graphs, checked as far as a CPU can: what would stop a capture, and the replay plumbing ---------
 
-class NoHostSync:
-    """A dispatch mode that refuses what CUDA graph capture refuses and a CPU run can see: reading a tensor's
-    value on the host (.item(), bool(t), `if t.any()`), and ops whose output size depends on values (nonzero,
-    boolean indexing, masked_select). A CPU run cannot see a CPU -> GPU copy; those are checked on a GPU."""
+class NoHostSync(TorchDispatchMode):
+    """Refuses what CUDA graph capture refuses and a CPU run can see: reading a tensor's value on the host
+    (.item(), bool(t), `if t.any()`), and ops whose output size depends on values (nonzero, boolean indexing,
+    masked_select). A CPU run cannot see a CPU -> GPU copy; those are checked on a GPU."""
 
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.__name__.split(".")[0]
-                flat = [a for a in args if isinstance(a, (list, tuple))]
-                boolean_index = name in ("index", "index_put", "index_put_") and any(
-                    isinstance(t, torch.Tensor) and t.dtype == torch.bool for lst in flat for t in lst)
-                if name in ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal",
-                            "unique", "_unique2") or boolean_index:
-                    raise AssertionError(f"{func} reads a tensor's value on the host: not capturable")
-                return func(*args, **(kwargs or {}))
-        self.mode = Mode()
-
-    def __enter__(self):
-        return self.mode.__enter__()
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        boolean_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool
+            for a in args if isinstance(a, (list, tuple)) for t in a)
+        if name in ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal",
+                    "unique", "_unique2") or boolean_index:
+            raise AssertionError(f"{func} reads a tensor's value on the host: not capturable")
+        return func(*args, **(kwargs or {}))
 
 
 def fake_capture(monkeypatch, captured):
@@ -429,8 +419,6 @@ def test_cuda_graphs_capture_every_row_with_no_host_sync(tmp_path, capsys, monke
 
 def _unchecked(fn):
     """fn() with any NoHostSync mode above it switched off (the CPU optimizer step)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():
         return fn()
 
