@@ -66,6 +66,7 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
 
     saved = json.loads(path.read_text())
     assert saved == json.loads(json.dumps(res))
+    assert saved["code"]["torch"] == torch.__version__ and saved["code"]["capt"] == capt.__version__
     assert [r["name"] for r in saved["rows"]] == ROWS
     for r in saved["rows"]:
         n, median, ratio, lo, hi = table[r["name"]]

@@ -70,7 +70,7 @@ from capt.config import CapsuleConfig
 from capt.errors import CaptError
 from capt.scoring import _last_real, encode_prompts, lm_logits, pad
 from capt.tasks import custom_task, get_task
-from capt.training import describe_machine
+from capt.training import CODE, describe_machine
 
 PEFT_ROWS = [("prompt-tuning", 20), ("prompt-tuning", 100), ("p-tuning-v2", 20), ("p-tuning-v2", 100)]
 TARGETS = {"step": 1.03, "predict": 1.05}  # CaPT step <= 1.03x floor; prediction <= 1.05x without capsule
@@ -317,7 +317,8 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     meta = {"backbone": bb.name, "batch_size": batch_size, "seq_len": seq_len, "repeats": repeats, "task": task,
             "batch_lengths": sorted(m.shape[1] for _, m, _ in batches[warmup:]),  # each timed batch's T
             "warmup": warmup, "threads": torch.get_num_threads(), "device": describe_device(bb.device),
-            "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine(bb.device)}
+            "dtype": str(bb.dtype).removeprefix("torch."), "machine": describe_machine(bb.device),
+            "code": CODE}   # versions, threads, git commit; --pool does not require it to match
     if bb.revision == "random-weights":  # only then, so runs written before the flag still pool with new ones
         meta["random_weights"] = True
     if cuda_graphs:                      # likewise
