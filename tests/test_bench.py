@@ -436,3 +436,37 @@ def test_cuda_graphs_are_refused_clearly_where_they_cannot_run(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU; the device here is cpu"):
             bench.main(base)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_a_replayed_cuda_graph_computes_what_the_eager_step_computes():
+    """On a GPU: capt's loss and backward captured once (bench.capture) and replayed on two batches give W the
+    eager step's gradient on each (close, not bitwise: under capture transformers passes SDPA an explicit mask
+    where eagerly it passes is_causal, so another attention kernel may run)."""
+    bb = capt.load_backbone("tiny-llama", device="cuda")
+    label_ids = torch.tensor([5, 6], device=bb.device)
+    capsule = capt.Capsule.for_backbone(bb, seed=0)
+    first, second = bench.make_batches(bb, 2, 4, 16, 0)
+
+    def eager(b):
+        capsule.weight.grad = None
+        bench.capt_loss(bb, capsule, b[0], b[1], label_ids, b[2]).backward()
+        return capsule.weight.grad.clone()
+
+    static, out = tuple(t.clone() for t in first), {}
+
+    def body():
+        capsule.weight.grad = None
+        bench.capt_loss(bb, capsule, *static[:2], label_ids, static[2]).backward()
+        out["grad"] = capsule.weight.grad
+
+    replay = bench.capture(body, bb.device)
+    grads = []
+    for b in (first, second):
+        for buffer, t in zip(static, b):
+            buffer.copy_(t)
+        replay()
+        torch.cuda.synchronize()
+        grads.append(out["grad"].clone())
+        torch.testing.assert_close(grads[-1], eager(b), rtol=1e-3, atol=1e-5)
+    assert not torch.allclose(grads[0], grads[1])   # the replay read the second batch
