@@ -36,9 +36,9 @@ Prediction = forward only, no grad, batch 1 (each batch's first row, unpadded), 
 is captured once as a CUDA graph and each round replays it on that round's batch, copied into the graph's
 input buffers. Eager, a small model's step on a GPU is bound by how fast the host launches kernels, and
 CaPT's per-layer mean and slot write add ten small ops per layer (four forward, six backward); a replay
-launches the whole step at once, so the ratios then measure the GPU's work. PEFT's rows are left out there: its prompt-learning
-forward makes its prefix attention mask on the CPU and copies it to the GPU on every call, and a copy
-from unpinned CPU memory cannot be captured.
+launches the whole step at once, so the ratios then measure the GPU's work. PEFT's rows are left out
+there: its prompt-learning forward makes its prefix attention mask on the CPU and copies it to the GPU on
+every call, and a copy from unpinned CPU memory cannot be captured.
 
 Why round-robin: a shared CPU drifts (another job starts, the clock throttles, caches warm). Timing
 method A for five steps and then method B would put that drift into the A/B ratio; instead round r
