@@ -115,9 +115,11 @@ def canonical_name(name: str) -> str:
     return HUB_ALIASES.get(key.lower(), key)
 
 
-def check_device(device: str | torch.device) -> torch.device:
+def check_device(device: str | torch.device | None) -> torch.device:
     """The device as torch names it, or a clear error (before any weights load) for a name torch does not
-    know or an accelerator this machine does not have."""
+    know or an accelerator this machine does not have. None: the default, cuda when there is one, else cpu."""
+    if device is None or device == "":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -141,7 +143,7 @@ def load_backbone(name: str = DEFAULT_BACKBONE, *, dtype: str = "float32", devic
     """
     if dtype not in DTYPES:
         raise CaptError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
-    device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(device)
     key = canonical_name(name)
     if key in EMBEDDED:
         model, tok, rev = _load_embedded(key, Path(cache_dir) if cache_dir else _cache_root())

@@ -140,6 +140,7 @@ def test_a_device_torch_does_not_know_or_this_machine_lacks_is_refused_clearly()
     from capt.backbones import check_device
 
     assert check_device("cpu") == torch.device("cpu")
+    assert check_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")   # the default
     with pytest.raises(capt.CaptError, match="device 'gpu0' is not valid; give cpu, cuda, cuda:1, mps"):
         capt.load_backbone("tiny-llama", device="gpu0")
     if not torch.cuda.is_available():

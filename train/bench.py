@@ -285,11 +285,11 @@ def bench(backbone: str, batch_size: int = 8, seq_len: int = 128, repeats: int =
     layer0 = Capsule.for_backbone(bb, CapsuleConfig(layers=[0]), seed=seed)
     floor = lambda i, m, y: floor_loss(bb, i, m, label_ids, y)  # noqa: E731
     # name -> (step on a batch, what the batch goes through first, trainable parameters)
-    steps = {"floor": (train_step(floor, []), None, 0),
+    floor_step = train_step(floor, [])   # no parameters, so one step serves the floor and its diagnostics
+    steps = {"floor": (floor_step, None, 0),
              "capt": (train_step(lambda i, m, y: capt_loss(bb, capsule, i, m, label_ids, y),
                                  list(capsule.parameters()), cuda_graphs), None, capsule.n_capsule_params())}
-    diagnostic = {"floor-plus-1": (train_step(floor, []), plus_one),
-                  "floor-minus-1": (train_step(floor, []), minus_one),
+    diagnostic = {"floor-plus-1": (floor_step, plus_one), "floor-minus-1": (floor_step, minus_one),
                   "capt-layer0": (train_step(lambda i, m, y: capt_loss(bb, layer0, i, m, label_ids, y),
                                              list(layer0.parameters()), cuda_graphs), None)}
     left_out = {}
@@ -347,7 +347,7 @@ def check_graphable(device, task, profile) -> None:
     if profile:
         raise CaptError("--profile times each op as it runs; a replayed CUDA graph has no ops to time: "
                         "give one of --profile and --cuda-graphs")
-    dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = check_device(device)
     if dev.type != "cuda":
         raise CaptError(f"--cuda-graphs captures CUDA graphs and needs a CUDA GPU; the device here is {dev}")
 
