@@ -27,9 +27,12 @@ def _go():
     return go
 
 
-def _layout(fig, title: str, height: int = 360):
+def _layout(fig, title: str, height: int = 360, legend_below: bool = False):
     fig.update_layout(title={"text": title, "font": {"size": 14}}, height=height, template="plotly_white",
-                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
+                      margin={"l": 60, "r": 20, "t": 50, "b": 90 if legend_below else 50})
+    if legend_below:
+        # a fixed 48 px under the plot area, below the x-axis title at any figure height
+        fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -48 / (height - 50 - 90)})
     return fig
 
 
@@ -129,8 +132,7 @@ def anchor_by_layer_figure(with_report, without_report, capsule_name: str = "cap
                         line={"color": color})
     fig.update_xaxes(title="layer", dtick=1 if fig.data and len(fig.data[0].x) <= 32 else None)
     fig.update_yaxes(title="attention on anchor", rangemode="tozero")
-    fig.update_layout(legend={"orientation": "h", "y": -0.2})
-    return _layout(fig, "Anchor vs. sink: attention the other tokens pay to the anchor, per layer")
+    return _layout(fig, "Anchor vs. sink: attention the other tokens pay to the anchor, per layer", legend_below=True)
 
 
 def loss_figure(steps: list[int], losses: list[float]) -> "object":
@@ -146,8 +148,7 @@ def loss_figure(steps: list[int], losses: list[float]) -> "object":
         fig.add_scatter(x=list(steps), y=smooth, mode="lines", name="smoothed", line={"color": WITH_COLOR})
     fig.update_xaxes(title="step", rangemode="tozero")
     fig.update_yaxes(title="cross-entropy")
-    fig.update_layout(legend={"orientation": "h", "y": -0.2})
-    return _layout(fig, "Training loss", height=320)
+    return _layout(fig, "Training loss", height=320, legend_below=True)
 
 
 def dev_figure(evals: list[dict], metric: str) -> "object":
@@ -165,8 +166,7 @@ def dev_figure(evals: list[dict], metric: str) -> "object":
                         marker={"symbol": "star", "size": 14, "color": WITH_COLOR})
     fig.update_xaxes(title="step", rangemode="tozero")
     fig.update_yaxes(title="%", range=[0, 100])
-    fig.update_layout(legend={"orientation": "h", "y": -0.2})
-    return _layout(fig, f"Dev metrics (selection: {metric})", height=320)
+    return _layout(fig, f"Dev metrics (selection: {metric})", height=320, legend_below=True)
 
 
 def shared_max(*arrays: np.ndarray | None) -> float:
