@@ -4,7 +4,7 @@
 
 Not a test (pytest does not collect it): it starts `python app.py` (SmolLM2-135M, offline) on a free port and
 drives Debian's chromium through Playwright as tests/test_browser.py does (same flags, helpers imported from
-there): Predict with the shipped CB capsule on a CB val example, Attention with the shipped CB soft prompt
+there): Predict with the shipped CB capsule on CB val example 37, Attention with the shipped CB soft prompt
 beside the capsule and the sink, the training-free probe, and the Train tab a few steps into a run (then Stop).
 """
 import os
@@ -24,6 +24,7 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 from capt.io import find_soft_prompts  # noqa: E402
 
 SLOW = 300_000   # ms: SmolLM2 on a busy 2-core CPU
+EXAMPLE = 37     # the CB val example the README's pictures and text are about
 
 
 def pick(page, label: str, option: str) -> None:
@@ -57,8 +58,20 @@ def main(out: Path) -> None:
 
             pick(page, "Capsule", "shipped: cb")
             expect(field(page, "Task")).to_have_value("cb")
-            page.get_by_role("button", name="Example from val").click()
-            expect(page.get_by_text(re.compile(r"cb val example idx \d+"))).to_be_visible()
+            # The button draws a val example at random; draw until the README's one (idx 37) comes up, so that a
+            # retake shows the input the README's text describes (CB val has 56 examples).
+            note, shown = page.get_by_text(re.compile(r"cb val example idx \d+ ")), ""
+            for _ in range(500):
+                page.get_by_role("button", name="Example from val").click()
+                try:   # wait for this draw to land (a draw of the same example changes nothing: 5 s, then go on)
+                    expect(note).not_to_have_text(shown, timeout=5000) if shown else expect(note).to_be_visible()
+                except AssertionError:
+                    pass
+                shown = note.inner_text()
+                if shown.startswith(f"cb val example idx {EXAMPLE} "):
+                    break
+            else:
+                raise RuntimeError(f"'Example from val' never drew cb val example {EXAMPLE}")
             page.get_by_role("button", name="Predict", exact=True).click()
             shows(page, chart(panel(page), "label probabilities with and without the capsule"), SLOW)
             page.screenshot(path=str(out / "predict.png"), full_page=True)
