@@ -455,7 +455,8 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
             run.log(record)
             emit(record)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", best=f"{state['best']:.3f}")
+            best = {f"best dev {key}": f"{100 * state['best']:.1f}%"} if math.isfinite(state["best"]) else {}
+            bar.set_postfix(loss=f"{loss.item():.3f}", **best)   # no best before the first dev evaluation
             if state["step"] % cfg.eval_every == 0 and evaluate_and_keep():
                 state["stopped_by"] = "early stopping"
                 break
