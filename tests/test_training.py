@@ -222,8 +222,16 @@ def test_cli_runs_and_prints_a_summary(toy_csv, tmp_path, capsys):
                 "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "2", "--quiet",
                 "--out", str(tmp_path / "cli"), "--fusion", "project", "--layers", "0,2"])
     assert code == 0
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
     assert out["method"] == "capt" and out["n_trainable"] == 2 * 32 + 2 * 2 * 32 * 8
+    assert out["steps"] == 2 and out["stopped_by"] == "max_steps"
+    assert out["artifact"] == str(tmp_path / "cli" / "capsule")
+    # the same outcome in one line for people, on stderr (stdout stays JSON)
+    line = printed.err.strip().splitlines()[-1]
+    assert line.startswith("capt on toy (tiny-llama): test accuracy ")
+    assert f"test accuracy {100 * out['test']['accuracy']:.1f} %" in line
+    assert f"2 steps (max_steps), kept step {out['best_step']}" in line and f"saved to {out['artifact']}" in line
 
 
 @pytest.mark.parametrize("args, message", [

@@ -144,6 +144,26 @@ def probe(argv: list[str]) -> int:
     return 0
 
 
+def report(summary: dict) -> str:
+    """The run's outcome in one line: test (and dev) metrics in %, with ± their std over seeds, how it ended and
+    where the capsule (or baseline artifact) went."""
+    def metrics(d: dict) -> str:
+        return ", ".join(f"{k} {100 * v:.1f}" + (f" ± {100 * d[k + '_std']:.1f}" if k + "_std" in d else "") + " %"
+                         for k, v in d.items() if not k.endswith("_std"))
+    seeds = summary.get("seeds")
+    head = f"{summary['method']} on {summary['task']} ({summary['backbone']})"
+    head += f", seeds {' '.join(map(str, seeds))}" if seeds else ""
+    parts = [f"{head}: test {metrics(summary['test'])}", f"dev {metrics(summary['dev'])}"]
+    if seeds:
+        parts.append(f"steps {', '.join(map(str, summary['steps']))}; best seed on dev {summary['best_seed']}")
+    elif summary.get("stopped_by") != "no training":
+        parts.append(f"{summary['steps']} steps ({summary['stopped_by']}), kept step {summary['best_step']}")
+    parts.append(f"{summary['n_trainable']:,} trainable, {summary['train_seconds']:.0f} s training")
+    if summary.get("artifact"):
+        parts.append(f"saved to {summary['artifact']}")
+    return " · ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "probe":
@@ -159,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = train_seeds(cfg, args.seeds, resume=args.resume, progress=not args.quiet)
             _record_command(cfg.out_dir, "summary.json", argv)   # quoted by train.card --seeds
+            print(report(summary), file=sys.stderr)   # for people; stdout stays JSON, for jq and scripts
             print(json.dumps({k: summary[k] for k in ("method", "task", "backbone", "n_trainable", "test", "dev",
-                                                      "train_seconds") if k in summary}, indent=2))
+                                                      "train_seconds", "steps", "best_step", "stopped_by",
+                                                      "seeds", "best_seed", "artifact") if k in summary}, indent=2))
     except CaptError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
