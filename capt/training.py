@@ -621,5 +621,10 @@ def format_table(rows: list[dict]) -> str:
 def metric_cell(row: dict, key: str) -> str:
     """A compare row's metric as a percentage, with ± its std over seeds when a trained method has one
     (zero-shot and majority: no seed enters them)."""
-    std = row.get(key + "_std") if row["method"] in TRAINABLE else None
-    return f"{100 * row[key]:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")
+    return percent(row, key, with_std=row["method"] in TRAINABLE)
+
+
+def percent(metrics: dict, key: str, with_std: bool = True) -> str:
+    """metrics[key] as a percentage, with ± metrics[key + '_std'] when there is one (a mean over seeds)."""
+    std = metrics.get(key + "_std") if with_std else None
+    return f"{100 * metrics[key]:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")

@@ -28,11 +28,12 @@ def _go():
 
 
 def _layout(fig, title: str, height: int = 360, legend_below: bool = False):
+    top, bottom = 50, 90 if legend_below else 50
     fig.update_layout(title={"text": title, "font": {"size": 14}}, height=height, template="plotly_white",
-                      margin={"l": 60, "r": 20, "t": 50, "b": 90 if legend_below else 50})
+                      margin={"l": 60, "r": 20, "t": top, "b": bottom})
     if legend_below:
         # a fixed 48 px under the plot area, below the x-axis title at any figure height
-        fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -48 / (height - 50 - 90)})
+        fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -48 / (height - top - bottom)})
     return fig
 
 

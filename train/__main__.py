@@ -26,7 +26,7 @@ from capt.errors import CaptError
 from capt.io import load_capsule, read_config
 from capt.methods import METHODS
 from capt.tasks import TASKS, get_task
-from capt.training import Run, TrainConfig, compare, format_table, train_seeds
+from capt.training import Run, TrainConfig, compare, format_table, percent, train_seeds
 
 
 def _pairs(items: list[str] | None, what: str) -> dict | None:
@@ -148,8 +148,7 @@ def report(summary: dict) -> str:
     """The run's outcome in one line: test (and dev) metrics in %, with ± their std over seeds, how it ended and
     where the capsule (or baseline artifact) went."""
     def metrics(d: dict) -> str:
-        return ", ".join(f"{k} {100 * v:.1f}" + (f" ± {100 * d[k + '_std']:.1f}" if k + "_std" in d else "") + " %"
-                         for k, v in d.items() if not k.endswith("_std"))
+        return ", ".join(f"{k} {percent(d, k)} %" for k in d if not k.endswith("_std"))
     seeds = summary.get("seeds")
     head = f"{summary['method']} on {summary['task']} ({summary['backbone']})"
     head += f", seeds {' '.join(map(str, seeds))}" if seeds else ""
