@@ -446,6 +446,20 @@ def test_readme_results_table_is_the_shipped_capsules_own():
     assert table.count("\n") == 7 and table in (root / "README.md").read_text()
 
 
+@pytest.mark.parametrize("command, budget", [
+    ("python -m train compare --task cb --max-steps 100 --seeds 0 1 2", "100 steps"),
+    ("python -m train compare --task rte --max-minutes 12 --quiet", "12 min"),
+    ("python -m train compare --task copa --seeds 0 1 2 --quiet", "early stopping, ≤ 50 epochs"),
+    ("python -m train compare --task copa --epochs 20", "early stopping, ≤ 20 epochs"),
+])
+def test_the_table_names_each_compares_budget(command, budget):
+    """The README table's budget column, read from the compare's command: a step or minute cap, else the
+    paper's protocol (early stopping within the epochs the CLI ran, 50 by default)."""
+    from train.card import _budget
+
+    assert _budget({"command": command}) == budget
+
+
 def test_two_processes_under_accelerate_launch(toy_csv, tmp_path):
     """The unchanged CLI under `accelerate launch` (2 CPU processes, gloo): batches sharded, gradients
     averaged, both processes take the same steps and finish."""

@@ -31,7 +31,7 @@ import torch
 from capt.errors import CaptError
 from capt.files import atomic_folder
 from capt.methods import TRAINABLE
-from capt.training import DEFAULT_LR, compare_metric_keys, metric_cell
+from capt.training import DEFAULT_LR, TrainConfig, compare_metric_keys, metric_cell
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
 
 
@@ -429,10 +429,20 @@ def results_table(folder: Path) -> str:
         cells = [_method_cell(compare, rows, m, metric) for m in methods]
         cells.insert(1, _seeds_cell(compare, rows["capt"], metric))
         minutes = rows["capt"]["train_seconds"] / 60
-        budget = re.search(r"--max-(steps|minutes) (\S+)", compare.get("command", ""))
-        budget = f"{budget.group(2)} {'steps' if budget.group(1) == 'steps' else 'min'}" if budget else "-"
-        lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {budget} | {minutes:.0f} min |")
+        lines.append(f"| {compare['task']} | {metric} | " + " | ".join(cells) + f" | {_budget(compare)} | "
+                     f"{minutes:.0f} min |")
     return "\n".join(lines)
+
+
+def _budget(compare: dict) -> str:
+    """A compare's budget per method, from its command: '100 steps', '12 min', or, with neither cap, the
+    paper's protocol: 'early stopping, ≤ 50 epochs'."""
+    command = compare.get("command", "")
+    cap = re.search(r"--max-(steps|minutes) (\S+)", command)
+    if cap:
+        return f"{cap.group(2)} {'steps' if cap.group(1) == 'steps' else 'min'}"
+    epochs = re.search(r"--epochs (\d+)", command)
+    return f"early stopping, ≤ {epochs.group(1) if epochs else TrainConfig.epochs} epochs"
 
 
 def _method_cell(compare: dict, rows: dict, method: str, metric: str) -> str:
