@@ -230,6 +230,20 @@ class Run:
             with open(self.dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def rewind(self, step: int) -> int:
+        """Drop the log records written after `step` (a killed run logs steps its checkpoint does not keep;
+        the resumed run logs them again); returns how many were dropped."""
+        path = self.dir / "metrics.jsonl" if self.dir else None
+        if not path or not path.exists():
+            return 0
+        lines = path.read_text().splitlines(keepends=True)
+        keep = next((i for i, line in enumerate(lines) if json.loads(line).get("step", 0) > step), len(lines))
+        if keep < len(lines):
+            tmp = self.dir / ".metrics.jsonl.tmp"
+            tmp.write_text("".join(lines[:keep]))
+            os.replace(tmp, path)
+        return len(lines) - keep
+
     def write_json(self, name: str, data: dict) -> None:
         if self.dir:
             tmp = self.dir / f".{name}.tmp"
@@ -276,6 +290,9 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         if resume and run.dir and (run.dir / "checkpoint" / "state.json").exists():
             best_params = _load_checkpoint(run.dir / "checkpoint", method, optimizer, state, cfg)
+            dropped = run.rewind(state["step"])
+            run.log({"kind": "resume", "step": state["step"], "elapsed_s": round(state["elapsed"], 1),
+                     "dropped_records": dropped})
         _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_params, emit, stop, progress, key)
         method.load_state_dict(best_params)
     else:

@@ -126,6 +126,27 @@ def test_resume_continues_where_it_stopped(toy_csv, tmp_path):
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
 
 
+def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
+    """A run killed between checkpoints logged steps its checkpoint does not keep; the resumed run runs them
+    again, and the log reads as one run: every step once, in order, with a `resume` record where it resumed."""
+    cfg = toy(toy_csv, tmp_path, max_steps=6, eval_every=2)
+
+    def kill(e):
+        if e["kind"] == "step" and e["step"] == 3:
+            raise KeyboardInterrupt   # after step 3 was logged; the checkpoint holds step 2
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, callback=kill, progress=False)
+    log = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3]
+    assert train(cfg, resume=True, progress=False)["steps"] == 6
+    log = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 7))
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [2, 4, 6]
+    assert [(r["step"], r["dropped_records"]) for r in log if r["kind"] == "resume"] == [(2, 1)]
+    assert [r["kind"] for r in log].index("resume") == 3 and log[-1]["kind"] == "done"
+
+
 def test_resume_refuses_a_run_with_other_settings_and_loses_nothing(toy_csv, tmp_path):
     """Resuming with a changed lr (or task, capsule option, ...) would silently continue a different run:
     refused with the differing settings named; the checkpoint is left as it was. The budget may change."""
