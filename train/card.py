@@ -31,7 +31,7 @@ import torch
 from capt.errors import CaptError
 from capt.files import atomic_folder
 from capt.methods import TRAINABLE
-from capt.training import DEFAULT_LR, TrainConfig, compare_metric_keys, metric_cell
+from capt.training import DEFAULT_LR, TrainConfig, compare_metric_keys, metric_cell, percent
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
 
 
@@ -55,11 +55,6 @@ def _read_json(path: Path, hint: str) -> dict:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
-
-
-def _mean_std(metrics: dict, key: str) -> str:
-    """A seeds summary's metric (metrics[key], metrics[key + '_std']) as 'mean ± std' in percent."""
-    return f"{_pct(metrics[key])} ± {_pct(metrics[key + '_std'])}"
 
 
 def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None,
@@ -244,7 +239,7 @@ def _per_seed_table(per_seed: dict, rows: list[dict], primary: str) -> str:
 
 def _scores(runs: list[dict], mean: dict, metrics: list[str]) -> str:
     """Every seed's test score on each metric, then the mean ± std: 'accuracy 52.7, 52.3, 57.0, mean 54.0 ± 2.1'."""
-    return "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in runs)}, mean {_mean_std(mean, k)}" for k in metrics)
+    return "; ".join(f"{k} {', '.join(_pct(r['test'][k]) for r in runs)}, mean {percent(mean, k)}" for k in metrics)
 
 
 def _above(runs: list[dict], rows: list[dict], key: str) -> str:
@@ -450,7 +445,7 @@ def _method_cell(compare: dict, rows: dict, method: str, metric: str) -> str:
     seeds were added with --baseline-seeds, the mean ± std over them (how many)."""
     added = (compare.get("baseline_seeds") or {}).get("methods", {}).get(method)
     if added:
-        return f"{_mean_std(added['test'], metric)} ({len(added['runs'])})"
+        return f"{percent(added['test'], metric)} ({len(added['runs'])})"
     return metric_cell(rows[method], "test_" + metric) if method in rows else "-"
 
 
@@ -462,7 +457,7 @@ def _seeds_cell(compare: dict, row: dict, metric: str) -> str:
     if row.get(f"test_{metric}_std") is not None and seeds:
         return f"{metric_cell(row, 'test_' + metric)} ({len(seeds.group(1).split())})"
     if rec:
-        return f"{_mean_std(rec['test'], metric)} ({len(rec['seeds'])})"
+        return f"{percent(rec['test'], metric)} ({len(rec['seeds'])})"
     return "-"
 
 
