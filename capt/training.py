@@ -324,9 +324,14 @@ def _finished_run(cfg: TrainConfig) -> dict | None:
     if path is None or not path.exists():
         return None
     saved = json.loads(path.read_text())
-    same = saved.get("config") == json.loads(json.dumps(asdict(cfg), default=str))
-    kept = saved.get("artifact") is None or Path(saved["artifact"]).exists()
-    return saved if same and kept and saved.get("stopped_by") in FINISHED else None
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    same = {**saved.get("config", {}), "out_dir": None} == {**now, "out_dir": None}  # a moved folder is the same run
+    artifact = path.parent / Path(saved["artifact"]).name if saved.get("artifact") else None
+    if not (same and saved.get("stopped_by") in FINISHED and (artifact is None or artifact.exists())):
+        return None
+    saved["config"]["out_dir"] = cfg.out_dir      # where it is now; the files say where it was trained
+    saved["artifact"] = str(artifact) if artifact else None
+    return saved
 
 
 def code_revision() -> dict:

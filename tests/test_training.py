@@ -147,6 +147,28 @@ def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
     assert [r["kind"] for r in log].index("resume") == 3 and log[-1]["kind"] == "done"
 
 
+def test_a_moved_finished_compare_is_kept_as_it_is(toy_csv, tmp_path):
+    """Runs finished in one folder and moved to another (renamed, or gathered into a compare) are finished
+    runs there too: `--resume` keeps them (no step, no re-evaluation, files untouched) and rebuilds the
+    compare from them, the seeds' best capsule copied from where it now lies."""
+    args = ["compare", "--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields",
+            "text", "--label-column", "y", "--label-words", "a= the", "b= a", "--quiet", "--eval-every", "1",
+            "--methods", "capt", "zero-shot", "--seeds", "0", "1", "--max-steps", "2"]
+    assert cli(args + ["--out", str(tmp_path / "a")]) == 0
+    before = json.loads((tmp_path / "a" / "compare.json").read_text())
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "capt" / "capsule")
+    files = {p: p.read_bytes() for p in (tmp_path / "b" / "capt").rglob("seed-*/**/*") if p.is_file()}
+    assert cli(args + ["--out", str(tmp_path / "b"), "--resume"]) == 0
+    assert {p: p.read_bytes() for p in (tmp_path / "b" / "capt").rglob("seed-*/**/*") if p.is_file()} == files
+    after = json.loads((tmp_path / "b" / "compare.json").read_text())
+    assert after["rows"] == before["rows"]
+    summary = json.loads((tmp_path / "b" / "capt" / "summary.json").read_text())
+    assert summary["artifact"] == str(tmp_path / "b" / "capt" / "capsule")
+    assert (tmp_path / "b" / "capt" / "capsule" / "capsule.safetensors").exists()
+    assert all(r["config"]["out_dir"].startswith(str(tmp_path / "b")) for r in summary["runs"])
+
+
 def test_resume_refuses_a_run_with_other_settings_and_loses_nothing(toy_csv, tmp_path):
     """Resuming with a changed lr (or task, capsule option, ...) would silently continue a different run:
     refused with the differing settings named; the checkpoint is left as it was. The budget may change."""
