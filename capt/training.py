@@ -217,6 +217,14 @@ def primary_metric(task: Task) -> str:
 
 # --- training ----------------------------------------------------------------------------------
 
+def _after(line: str, step: int) -> bool:
+    """Whether a log line was written after `step`; a line cut short by a kill counts as after."""
+    try:
+        return json.loads(line).get("step", 0) > step
+    except json.JSONDecodeError:
+        return True
+
+
 class Run:
     """Files of one run: metrics.jsonl, summary.json, checkpoint/, capsule/ (or artifact/)."""
 
@@ -237,7 +245,7 @@ class Run:
         if not path or not path.exists():
             return 0
         lines = path.read_text().splitlines(keepends=True)
-        keep = next((i for i, line in enumerate(lines) if json.loads(line).get("step", 0) > step), len(lines))
+        keep = next((i for i, line in enumerate(lines) if _after(line, step)), len(lines))
         if keep < len(lines):
             tmp = self.dir / ".metrics.jsonl.tmp"
             tmp.write_text("".join(lines[:keep]))

@@ -139,11 +139,13 @@ def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
         train(cfg, callback=kill, progress=False)
     log = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3]
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "st')   # a line the kill cut short
     assert train(cfg, resume=True, progress=False)["steps"] == 6
     log = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 7))
     assert [r["step"] for r in log if r["kind"] == "eval"] == [2, 4, 6]
-    assert [(r["step"], r["dropped_records"]) for r in log if r["kind"] == "resume"] == [(2, 1)]
+    assert [(r["step"], r["dropped_records"]) for r in log if r["kind"] == "resume"] == [(2, 2)]
     assert [r["kind"] for r in log].index("resume") == 3 and log[-1]["kind"] == "done"
 
 
