@@ -212,7 +212,10 @@ def test_train_then_stop_keeps_the_best_capsule(page, tmp_path):
     expect(field(view, "Task")).to_have_value("cb")
     view.get_by_role("radio", name="quick: 20 steps").check()
     view.get_by_text("Advanced", exact=True).click()
-    view.get_by_label("max steps (0: the preset's)").fill("2000")   # time enough to press Stop
+    steps = view.get_by_label("max steps (0: the preset's)")
+    steps.fill("2000")   # time enough to press Stop
+    steps.press("Tab")   # commit it before Train reads the form (a click straight after fill once raced it in CI)
+    expect(steps).to_have_value("2000")
     view.get_by_role("button", name="Train", exact=True).click()
 
     # live progress: the step counter (out of the 2000 asked for) and the loss curve
