@@ -247,16 +247,18 @@ class Run:
         lines = path.read_text().splitlines(keepends=True)
         keep = next((i for i, line in enumerate(lines) if _after(line, step)), len(lines))
         if keep < len(lines):
-            tmp = self.dir / ".metrics.jsonl.tmp"
-            tmp.write_text("".join(lines[:keep]))
-            os.replace(tmp, path)
+            self._replace("metrics.jsonl", "".join(lines[:keep]))
         return len(lines) - keep
 
     def write_json(self, name: str, data: dict) -> None:
         if self.dir:
-            tmp = self.dir / f".{name}.tmp"
-            tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-            os.replace(tmp, self.dir / name)
+            self._replace(name, json.dumps(data, indent=2, default=str) + "\n")
+
+    def _replace(self, name: str, text: str) -> None:
+        """Write the file whole or not at all (a kill leaves the old one)."""
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.dir / name)
 
 
 def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable[[dict], None] | None = None,
