@@ -336,6 +336,21 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     assert "| toy | accuracy | " in table and " | - | " in table   # one seed, no seeds run: no mean
 
 
+def test_card_notes_name_a_short_budget_only_when_there_was_one():
+    """A trained baseline ahead of CaPT is reported either way; 'budget' is said only of a capped run."""
+    from train.card import _notes
+
+    rows = [{"method": "capt", "test_accuracy": 0.5}, {"method": "linear-head", "test_accuracy": 0.6},
+            {"method": "zero-shot", "test_accuracy": 0.7}]
+    summary = {"n_test": 50}
+    capped = _notes(rows, "test_accuracy", {"seed": 0, "max_steps": 100}, summary, [])
+    assert "At this budget linear-head (60.0) scored higher than CaPT (50.0)." in capped
+    assert "same short budget (100 steps" in capped
+    full = _notes(rows, "test_accuracy", {"seed": 0, "max_steps": None, "max_minutes": None}, summary, [])
+    assert "At these settings linear-head (60.0) scored higher than CaPT (50.0)." in full
+    assert "budget" not in full and "zero-shot (" not in full   # only trained methods are listed as ahead
+
+
 def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
     """With --seeds the card's table gives mean ± std per method, ships the seed best on dev and says so."""
     from train.card import main as card

@@ -154,7 +154,8 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
                      "subset, drawn by `--max-{train,dev,test}` with a fixed seed; whole questions for MultiRC); "
                      "numbers on the full split will differ.")
     if ahead:
-        notes.append(f"At this budget {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
+        at = "At this budget" if cfg.get("max_minutes") or cfg.get("max_steps") else "At these settings"
+        notes.append(f"{at} {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
     seeds = summary.get("seeds")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
                  f"{100 / summary['n_test']:.1f} points. "
