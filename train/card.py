@@ -141,7 +141,8 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
     ahead = [f"{r['method']} ({_pct(r[metric])})" for r in rows
              if r["method"] in TRAINABLE and r["method"] != "capt" and r[metric] > capt_score]
     notes = []
-    if cfg.get("max_minutes") or cfg.get("max_steps"):
+    capped = cfg.get("max_minutes") or cfg.get("max_steps")   # a short budget, not the paper's early stopping
+    if capped:
         budget = f"{cfg['max_minutes']:g} minutes" if cfg.get("max_minutes") else f"{cfg['max_steps']} steps"
         notes.append(f"Every trained method had the same short budget ({budget} on this CPU), far from the "
                      "paper's 50 epochs with early stopping; these are short-budget numbers, not converged ones.")
@@ -154,8 +155,8 @@ def _notes(rows: list[dict], metric: str, cfg: dict, summary: dict, extra: list)
                      "subset, drawn by `--max-{train,dev,test}` with a fixed seed; whole questions for MultiRC); "
                      "numbers on the full split will differ.")
     if ahead:
-        at = "At this budget" if cfg.get("max_minutes") or cfg.get("max_steps") else "At these settings"
-        notes.append(f"{at} {', '.join(ahead)} scored higher than CaPT ({_pct(capt_score)}).")
+        notes.append(f"{'At this budget' if capped else 'At these settings'} {', '.join(ahead)} scored higher "
+                     f"than CaPT ({_pct(capt_score)}).")
     seeds = summary.get("seeds")
     notes.append(f"The test split has {summary['n_test']} examples: one example is "
                  f"{100 / summary['n_test']:.1f} points. "
