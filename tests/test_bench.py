@@ -3,6 +3,8 @@ shared backbone comes out exactly as it went in (no hooks, no flags, same weight
 import json
 import math
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -470,3 +472,21 @@ def test_a_replayed_cuda_graph_computes_what_the_eager_step_computes():
         grads.append(out["grad"].clone())
         torch.testing.assert_close(grads[-1], eager(b), rtol=1e-3, atol=1e-5)
     assert not torch.allclose(grads[0], grads[1])   # the replay read the second batch
+
+
+GPU_CHECK = ["bash", str(Path(__file__).resolve().parents[1] / "train" / "gpu_check.sh")]
+
+
+def test_the_gpu_check_script_says_how_to_call_it():
+    res = subprocess.run(GPU_CHECK, capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "bash train/gpu_check.sh run OUT [KIT]" in res.stdout and "--dry-run" in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_gpu_check_script_refuses_a_machine_without_cuda_and_points_to_the_dry_run(tmp_path):
+    res = subprocess.run([*GPU_CHECK, "run", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "no CUDA GPU here: run with --dry-run" in res.stdout
+    assert "cuda False" in (tmp_path / "out" / "gpu-check.log").read_text()   # its environment step ran, logged
+    assert not list((tmp_path / "out").glob("*.json"))                       # and nothing else did
