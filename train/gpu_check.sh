@@ -96,10 +96,10 @@ c.save_pretrained(sys.argv[2]); AutoTokenizer.from_pretrained(sys.argv[1]).save_
         b=(python3 -m train.bench --random-weights --warmup 0 --device cpu) graphs= r1=1 r2=1
         smol=(--backbone "$arch" --batch-size 2 --seq-len 16) bigb=(--backbone tiny-llama)
     fi
-    step cuda-test 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_bench.py -k cuda_graph
-    step bench-bf16-graphs 150 "${b[@]}" "${smol[@]}" --dtype bfloat16 --repeats $r1 $graphs \
+    step cuda-test 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_bench.py -k cuda_graph
+    step bench-bf16-graphs 120 "${b[@]}" "${smol[@]}" --dtype bfloat16 --repeats $r1 $graphs \
         --json "$out/bench-bf16-graphs.json"
-    step bench-bf16-eager 150 "${b[@]}" "${smol[@]}" --dtype bfloat16 --repeats $r1 --json "$out/bench-bf16-eager.json"
+    step bench-bf16-eager 120 "${b[@]}" "${smol[@]}" --dtype bfloat16 --repeats $r1 --json "$out/bench-bf16-eager.json"
 
     # training on the GPU: the same architecture with seeded random weights, saved as a backbone folder
     local weights=$work/arch-weights
@@ -110,16 +110,16 @@ m.save_pretrained(sys.argv[2]); AutoTokenizer.from_pretrained(sys.argv[1]).save_
     local n=20 t=(--backbone "$weights" --task cb --eval-every 5 --max-dev 16 --max-test 16 --quiet)
     [ $dry = 1 ] && n=4 t=(--backbone "$weights" --task cb --eval-every 2 --max-dev 4 --max-test 4 --quiet
                             --batch-size 2 --max-train 16)
-    step train-compare 240 python3 -m train compare "${t[@]}" --max-steps $n --out "$work/compare" \
+    step train-compare 150 python3 -m train compare "${t[@]}" --max-steps $n --out "$work/compare" \
         --methods capt zero-shot majority linear-head p-tuning-v2
     [ -f "$work/compare/compare.json" ] && cp "$work/compare/compare.json" "$out/train-compare.json"
-    step train-stop 120 python3 -m train "${t[@]}" --max-steps $((n / 2)) --out "$work/resume"
-    step train-resume 120 python3 -m train "${t[@]}" --max-steps $n --resume --out "$work/resume"
+    step train-stop 60 python3 -m train "${t[@]}" --max-steps $((n / 2)) --out "$work/resume"
+    step train-resume 60 python3 -m train "${t[@]}" --max-steps $n --resume --out "$work/resume"
     grep -h '"kind": "resume"' "$work"/resume/*/metrics.jsonl "$work"/resume/metrics.jsonl 2>/dev/null | tee -a "$log"
 
-    step bench-fp32-graphs 150 "${b[@]}" "${smol[@]}" --dtype float32 --repeats $r1 $graphs \
+    step bench-fp32-graphs 100 "${b[@]}" "${smol[@]}" --dtype float32 --repeats $r1 $graphs \
         --json "$out/bench-fp32-graphs.json"
-    step bench-big-bf16-graphs 200 "${b[@]}" "${bigb[@]}" --dtype bfloat16 --repeats $r2 $graphs \
+    step bench-big-bf16-graphs 150 "${b[@]}" "${bigb[@]}" --dtype bfloat16 --repeats $r2 $graphs \
         --json "$out/bench-big-bf16-graphs.json"
     echo "done: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"
 }
