@@ -103,9 +103,8 @@ c.save_pretrained(sys.argv[2]); AutoTokenizer.from_pretrained(sys.argv[1]).save_
 
     # training on the GPU: the same architecture with seeded random weights, saved as a backbone folder
     local weights=$work/arch-weights
-    python3 -c "import sys, torch; from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-torch.manual_seed(0); m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
-m.save_pretrained(sys.argv[2]); AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])" \
+    python3 -c "import sys; from capt import load_backbone; bb = load_backbone(sys.argv[1], random_weights=True)
+bb.model.save_pretrained(sys.argv[2]); bb.tokenizer.save_pretrained(sys.argv[2])" \
         "$arch" "$weights" >>"$log" 2>&1 || echo "could not save random weights" | tee -a "$log"
     local n=20 t=(--backbone "$weights" --task cb --eval-every 5 --max-dev 16 --max-test 16 --quiet)
     [ $dry = 1 ] && n=4 t=(--backbone "$weights" --task cb --eval-every 2 --max-dev 4 --max-test 4 --quiet
