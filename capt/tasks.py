@@ -31,7 +31,8 @@ DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "su
 
 BOOLQ_OFFLINE_SPLIT = (
     "BoolQ has no train file offline: 'train' is the 2,289 examples of the official val file with "
-    "idx % 10 >= 3 and 'val' the other 981 (idx % 10 < 3); 'test' is the official unlabeled test file."
+    "idx % 10 >= 3 and 'val' the other 981 (idx % 10 < 3), which training scores as its test split; the "
+    "official test file has no labels."
 )
 
 SPLITS = ("train", "val", "test")
