@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields as dataclass_fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -56,6 +56,7 @@ class TrainConfig:
     max_minutes: float | None = None
     eval_every: int = 50               # steps between dev evaluations (and checkpoints)
     patience: int = 10                 # dev evaluations without improvement before stopping
+    min_steps: int = 0                 # no early stopping before this step (0: the paper's protocol)
     seed: int = 0
     dev_fraction: float = 0.1
     max_train: int | None = None       # cap on training examples (documented for MultiRC / BoolQ)
@@ -82,7 +83,7 @@ class TrainConfig:
         if self.lr is not None and not 0 < self.lr <= 10:
             raise CaptError(f"lr={self.lr} is out of range; valid: 0 < lr <= 10")
         for name, lo, hi in (("batch_size", 1, 4096), ("epochs", 1, 10_000), ("max_steps", 1, 10_000_000),
-                             ("eval_every", 1, 10_000_000), ("patience", 1, 10_000),
+                             ("eval_every", 1, 10_000_000), ("patience", 1, 10_000), ("min_steps", 0, 10_000_000),
                              ("num_virtual_tokens", 1, 1024), ("warmup_steps", 0, 10_000_000)):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and lo <= value <= hi):
@@ -335,13 +336,22 @@ def _finished_run(cfg: TrainConfig) -> dict | None:
         return None
     saved = json.loads(path.read_text())
     now = json.loads(json.dumps(asdict(cfg), default=str))
-    same = {**saved.get("config", {}), "out_dir": None} == {**now, "out_dir": None}  # a moved folder is the same run
+    same = "config" in saved and {**saved_config(saved["config"]), "out_dir": None} == {**now, "out_dir": None}
     artifact = path.parent / Path(saved["artifact"]).name if saved.get("artifact") else None
     if not (same and saved.get("stopped_by") in FINISHED and (artifact is None or artifact.exists())):
         return None
     saved["config"]["out_dir"] = cfg.out_dir      # where it is now; the files say where it was trained
     saved["artifact"] = str(artifact) if artifact else None
     return saved
+
+
+def saved_config(config: dict) -> dict:
+    """A config as a run's summary.json saved it, with any TrainConfig field added since (a run saved before
+    `min_steps` existed has none) at its default, which is what that run did; a moved folder is the same run
+    (`_finished_run` ignores out_dir)."""
+    defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory()
+                for f in dataclass_fields(TrainConfig)}
+    return {**json.loads(json.dumps(defaults, default=str)), **config}
 
 
 def code_revision() -> dict:
@@ -446,9 +456,9 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
         emit(record)
         if run.dir:
             _save_checkpoint(run.dir / "checkpoint", method, optimizer, state, best_params, cfg)
-        return state["bad_evals"] >= cfg.patience
+        return _patience_spent(cfg, state)
 
-    if state["bad_evals"] >= cfg.patience:   # resumed from the checkpoint of a run that stopped early
+    if _patience_spent(cfg, state):   # resumed from the checkpoint of a run that stopped early
         state["stopped_by"] = "early stopping"
         bar.close()
         return
@@ -505,6 +515,11 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
     bar.close()
 
 
+def _patience_spent(cfg: TrainConfig, state: dict) -> bool:
+    """Early stopping: `patience` dev evaluations in a row without improvement, once past `min_steps`."""
+    return state["bad_evals"] >= cfg.patience and state["step"] >= cfg.min_steps
+
+
 def _stop_reason(cfg: TrainConfig, stop, elapsed: float, accelerator) -> str | None:
     """Why to stop before the next step; all processes agree, so none waits for a step that never comes."""
     reason = None
@@ -527,7 +542,7 @@ def _finite(x: float) -> float | None:
 
 # What a resumed run may change: its budget and bookkeeping. Anything else (task, method, lr, data caps,
 # capsule options, ...) would silently continue a different run, so resuming with it changed is refused.
-RESUMABLE_CHANGES = ("max_steps", "max_minutes", "epochs", "patience", "eval_every", "out_dir")
+RESUMABLE_CHANGES = ("max_steps", "max_minutes", "epochs", "patience", "min_steps", "eval_every", "out_dir")
 
 
 def _run_identity(cfg: TrainConfig) -> dict:

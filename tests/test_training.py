@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import threading
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from safetensors.torch import load_file
 
 import capt
 from capt.methods import METHODS
-from capt.training import TrainConfig, compare, describe_machine, format_table, train, train_in_chunks, train_seeds
+from capt.training import (TrainConfig, _finished_run, compare, describe_machine, format_table, saved_config, train,
+                           train_in_chunks, train_seeds)
 from conftest import tiny
 from train.__main__ import main as cli
 
@@ -431,6 +433,14 @@ def test_model_card_with_a_seeds_run(toy_csv, tmp_path, capsys):
     assert card([str(run), "--to", str(shipped), "--seeds", str(seeds)]) == 2
     assert "records no command" in capsys.readouterr().err
     assert (shipped / "README.md").read_text() == before
+    for r in summary["runs"]:      # as written before min_steps existed: that run did what its default does
+        del r["config"]["min_steps"]
+    (seeds / "summary.json").write_text(json.dumps({**summary, "command": rec["command"]}))
+    assert card([str(run), "--to", str(shipped), "--seeds", str(seeds)]) == 0
+    assert cli([*common, "--min-steps", "2", "--seeds", "0", "1", "--out", str(tmp_path / "held")]) == 0
+    capsys.readouterr()
+    assert card([str(run), "--to", str(shipped), "--seeds", str(tmp_path / "held")]) == 2
+    assert "min_steps 2 there, 0 in the compare" in capsys.readouterr().err
 
 
 def test_model_card_amended_with_baseline_seeds(toy_csv, tmp_path, capsys):
@@ -567,6 +577,40 @@ def test_probe_cli_prints_and_saves_the_librarys_result(tmp_path, capsys):
     capt.save_capsule(cap, tmp_path / "bare", bb)   # saved without a task
     assert cli(["probe", "--capsule", str(tmp_path / "bare")]) == 2
     assert "was saved without a task; give --task (one of boolq, cb" in capsys.readouterr().err
+
+
+def test_min_steps_holds_off_early_stopping_and_a_resume_may_raise_it(toy_csv, tmp_path):
+    """No early stopping before min_steps (CaPT can sit near chance on dev for a few hundred steps): a run
+    whose dev never improves after step 1 stops at step 2 with patience 1, at step 5 with min_steps 5, still
+    keeping step 1. A run that stopped early, resumed with a larger min_steps, trains on to the same place."""
+    kw = dict(max_steps=30, eval_every=1, patience=1, lr=1e-6)   # a tiny lr: dev never improves after step 1
+    first = train(toy(toy_csv, tmp_path / "a", **kw), progress=False)
+    assert first["stopped_by"] == "early stopping" and first["steps"] == 2
+    held = train(toy(toy_csv, tmp_path / "b", min_steps=5, **kw), progress=False)
+    assert held["stopped_by"] == "early stopping" and held["steps"] == 5 and held["best_step"] == 1
+    more = train(toy(toy_csv, tmp_path / "a", min_steps=5, **kw), resume=True, progress=False)
+    assert (more["steps"], more["best_step"], more["test"]) == (5, 1, held["test"])
+    log = [json.loads(x) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3, 4, 5]
+    with pytest.raises(capt.CaptError, match=r"min_steps=-1 is out of range; valid: an integer 0\.\."):
+        toy(toy_csv, tmp_path, min_steps=-1)
+
+
+def test_a_finished_run_saved_before_a_setting_existed_is_kept(toy_csv, tmp_path):
+    """A summary.json written before a TrainConfig field existed (min_steps) lacks it; that run did what the
+    default does, so `--resume` keeps it as finished (no step, files untouched), and train.card's check of a
+    seeds run against its compare reads it the same way. Another value of the new setting is another run."""
+    cfg = toy(toy_csv, tmp_path, max_steps=2, eval_every=1)
+    first = train(cfg, progress=False)
+    path = tmp_path / "run" / "summary.json"
+    saved = json.loads(path.read_text())
+    del saved["config"]["min_steps"]
+    path.write_text(json.dumps(saved))
+    files = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert train(cfg, resume=True, progress=False)["test"] == first["test"]
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
+    assert saved_config(saved["config"]) == json.loads(json.dumps(asdict(cfg)))
+    assert _finished_run(replace(cfg, min_steps=4)) is None and _finished_run(cfg)["test"] == first["test"]
 
 
 def test_resume_of_a_run_that_stopped_early_stays_stopped(toy_csv, tmp_path):

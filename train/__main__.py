@@ -68,6 +68,8 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     p.add_argument("--patience", type=int, default=TrainConfig.patience)
+    p.add_argument("--min-steps", type=int, default=TrainConfig.min_steps,
+                   help="no early stopping before this step (default 0, the paper's protocol)")
     p.add_argument("--seeds", type=int, nargs="+", default=[TrainConfig.seed])
     p.add_argument("--max-train", type=int)
     p.add_argument("--max-dev", type=int)
@@ -100,8 +102,9 @@ def config_from(args) -> TrainConfig:
     return TrainConfig(
         task=args.task, method=getattr(args, "method", "capt"), backbone=args.backbone, lr=args.lr,
         batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps, max_minutes=args.max_minutes,
-        eval_every=args.eval_every, patience=args.patience, max_train=args.max_train, max_dev=args.max_dev,
-        max_test=args.max_test, warmup_steps=args.warmup_steps, num_virtual_tokens=args.num_virtual_tokens,
+        eval_every=args.eval_every, patience=args.patience, min_steps=args.min_steps, max_train=args.max_train,
+        max_dev=args.max_dev, max_test=args.max_test, warmup_steps=args.warmup_steps,
+        num_virtual_tokens=args.num_virtual_tokens,
         capsule=capsule, dtype=args.dtype, data_dir=args.data_dir, source=args.source, data_file=args.data_file,
         test_file=args.test_file, fields=args.fields, columns=_pairs(args.columns, "--columns"),
         label_column=args.label_column, label_words=_pairs(args.label_words, "--label-words"), out_dir=args.out)

@@ -31,7 +31,7 @@ import torch
 from capt.errors import CaptError
 from capt.files import atomic_folder
 from capt.methods import TRAINABLE
-from capt.training import DEFAULT_LR, TrainConfig, compare_metric_keys, metric_cell, percent
+from capt.training import DEFAULT_LR, TrainConfig, compare_metric_keys, metric_cell, percent, saved_config
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
 
 
@@ -182,14 +182,13 @@ def seeds_record(seeds_dir: Path, run: Path, ref: dict) -> dict:
     if ref.get("seeds"):
         raise CaptError(f"the compare in {run} already has seeds {ref['seeds']}: its table gives their mean, "
                         "so --seeds adds nothing")
-    want = ref["config"]
+    want = saved_config(ref["config"])   # a setting added since either run: its default, what that run did
     for r in s["runs"]:
-        keys = sorted(k for k in set(want) | set(r["config"]) if k not in SETTINGS_OF_A_RUN
-                      and want.get(k) != r["config"].get(k))
+        got = saved_config(r["config"])
+        keys = sorted(k for k in set(want) | set(got) if k not in SETTINGS_OF_A_RUN and want.get(k) != got.get(k))
         if keys:
-            raise CaptError(f"{seeds_dir} (seed {r['config']['seed']}) was not trained like the compare's CaPT run: "
-                            + ", ".join(f"{k} {r['config'].get(k)!r} there, {want.get(k)!r} in the compare"
-                                        for k in keys))
+            raise CaptError(f"{seeds_dir} (seed {got['seed']}) was not trained like the compare's CaPT run: "
+                            + ", ".join(f"{k} {got.get(k)!r} there, {want.get(k)!r} in the compare" for k in keys))
     if not s.get("command"):
         raise CaptError(f"{path} records no command (made before `python -m train` recorded one): add "
                         '"command": "<the exact command>" to it, or rerun')
