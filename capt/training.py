@@ -277,6 +277,8 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
                   f"{done['steps']}); kept as it is", file=sys.stderr)
         (callback or (lambda event: None))({"kind": "done", **done})
         return done
+    if not resume:
+        refuse_used_folders([cfg.out_dir])
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     run = Run(cfg.out_dir if accelerator.is_main_process else None)
     data = prepare_data(cfg)
@@ -322,6 +324,31 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
         run.log({"kind": "done", "test": test, "dev": dev})
     emit({"kind": "done", **summary})
     return summary
+
+
+# What a run folder holds once a run has written to it (a compare folder: compare.json).
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint", "compare.json")
+
+
+def refuse_used_folders(folders) -> None:
+    """A new run (not resume) into a folder that already holds one would append to its log, replace its
+    checkpoint and capsule: refused, before anything loads or trains, with what to do instead."""
+    for folder in folders:
+        held = sorted(n for n in RUN_FILES if folder and (Path(folder) / n).exists())
+        if held:
+            raise CaptError(f"{folder} already holds a run ({', '.join(held)}); a new run there would mix the two. "
+                            "Continue it with --resume (resume=True), or give another --out, or delete the folder")
+
+
+def run_folders(cfg: TrainConfig, seeds, methods=None) -> list[str]:
+    """Every folder train_seeds (or compare, over `methods`) writes run files to, itself included."""
+    if not cfg.out_dir:
+        return []
+    if methods is not None:
+        return [cfg.out_dir] + [f for m in methods
+                                for f in run_folders(replace(cfg, out_dir=str(Path(cfg.out_dir) / m)), seeds)]
+    seeds = list(seeds)
+    return [cfg.out_dir] + ([str(Path(cfg.out_dir) / f"seed-{s}") for s in seeds] if len(seeds) > 1 else [])
 
 
 # A run that ended by its own budget or criterion; resumed with the same settings it would do nothing more.
@@ -593,6 +620,8 @@ def train_seeds(cfg: TrainConfig, seeds: list[int], backbone: Backbone | None = 
     lives in out_dir/seed-<s>/ and the seed with the best dev score is copied to out_dir/capsule."""
     if not seeds:
         raise CaptError("give at least one seed")
+    if not kwargs.get("resume"):
+        refuse_used_folders(run_folders(cfg, seeds))
     bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype)
     runs = []
     for s in seeds:
@@ -635,6 +664,8 @@ def compare(cfg: TrainConfig, methods: list[str], seeds: list[int] = (0,), backb
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise CaptError(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}")
+    if not kwargs.get("resume"):
+        refuse_used_folders(run_folders(cfg, seeds, methods))   # before the first method trains, not after it
     bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype)
     rows = []
     for m in methods:

@@ -173,6 +173,36 @@ def test_a_moved_finished_compare_is_kept_as_it_is(toy_csv, tmp_path):
     assert all(r["config"]["out_dir"].startswith(str(tmp_path / "b")) for r in summary["runs"])
 
 
+def test_a_new_run_into_a_used_folder_is_refused_and_loses_nothing(toy_csv, tmp_path, capsys):
+    """A new run (no --resume) into a folder that holds one would append its steps to that run's log and
+    replace its checkpoint and capsule: refused before anything trains, the files untouched. Several seeds
+    and a compare check every folder they would write before the first run starts. An empty folder is fine."""
+    def files(folder):
+        return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    cfg = toy(toy_csv, tmp_path, max_steps=2, eval_every=1)
+    train(cfg, progress=False)
+    before = files(tmp_path / "run")
+    with pytest.raises(capt.CaptError, match=r"run already holds a run \(checkpoint, metrics.jsonl, summary.json\); "
+                                             r"a new run there would mix the two. Continue it with --resume"):
+        train(cfg, progress=False)
+    seeds = toy(toy_csv, tmp_path, max_steps=2, eval_every=1, out_dir=str(tmp_path / "seeds"))
+    train_seeds(seeds, [0, 1], progress=False)
+    with pytest.raises(capt.CaptError, match=r"seeds already holds a run \(summary.json\)"):
+        train_seeds(seeds, [1, 2], progress=False)
+    assert not (tmp_path / "seeds" / "seed-2").exists() and files(tmp_path / "run") == before
+    args = ["compare", "--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields",
+            "text", "--label-column", "y", "--label-words", "a= the", "b= a", "--quiet", "--eval-every", "1",
+            "--max-steps", "2", "--out", str(tmp_path / "cmp")]
+    assert cli(args + ["--methods", "zero-shot", "capt"]) == 0
+    capsys.readouterr()
+    assert cli(args + ["--methods", "linear-head", "capt"]) == 2
+    assert f"{tmp_path / 'cmp'} already holds a run (compare.json)" in capsys.readouterr().err
+    assert not (tmp_path / "cmp" / "linear-head").exists()
+    (tmp_path / "empty").mkdir()
+    assert train(replace(cfg, out_dir=str(tmp_path / "empty")), progress=False)["steps"] == 2
+
+
 def test_resume_refuses_a_run_with_other_settings_and_loses_nothing(toy_csv, tmp_path):
     """Resuming with a changed lr (or task, capsule option, ...) would silently continue a different run:
     refused with the differing settings named; the checkpoint is left as it was. The budget may change."""
