@@ -340,6 +340,13 @@ def refuse_used_folders(folders) -> None:
                             "Continue it with --resume (resume=True), or give another --out, or delete the folder")
 
 
+def _refuse_repeats(values: list, what: str) -> None:
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise CaptError(f"{what} {', '.join(repeated)} given more than once ({values}); each {what} is one run "
+                        "in its own folder: give each once")
+
+
 def run_folders(cfg: TrainConfig, seeds, methods=None) -> list[str]:
     """Every folder train_seeds (or compare, over `methods`) writes run files to, itself included."""
     if not cfg.out_dir:
@@ -620,6 +627,7 @@ def train_seeds(cfg: TrainConfig, seeds: list[int], backbone: Backbone | None = 
     lives in out_dir/seed-<s>/ and the seed with the best dev score is copied to out_dir/capsule."""
     if not seeds:
         raise CaptError("give at least one seed")
+    _refuse_repeats(list(seeds), "seed")
     if not kwargs.get("resume"):
         refuse_used_folders(run_folders(cfg, seeds))
     bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype)
@@ -664,6 +672,8 @@ def compare(cfg: TrainConfig, methods: list[str], seeds: list[int] = (0,), backb
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise CaptError(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}")
+    _refuse_repeats(list(methods), "method")
+    _refuse_repeats(list(seeds), "seed")
     if not kwargs.get("resume"):
         refuse_used_folders(run_folders(cfg, seeds, methods))   # before the first method trains, not after it
     bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype)

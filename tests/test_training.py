@@ -176,7 +176,8 @@ def test_a_moved_finished_compare_is_kept_as_it_is(toy_csv, tmp_path):
 def test_a_new_run_into_a_used_folder_is_refused_and_loses_nothing(toy_csv, tmp_path, capsys):
     """A new run (no --resume) into a folder that holds one would append its steps to that run's log and
     replace its checkpoint and capsule: refused before anything trains, the files untouched. Several seeds
-    and a compare check every folder they would write before the first run starts. An empty folder is fine."""
+    and a compare check every folder they would write before the first run starts (a seed or method given
+    twice is refused there too). An empty folder is fine."""
     def files(folder):
         return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
@@ -201,6 +202,11 @@ def test_a_new_run_into_a_used_folder_is_refused_and_loses_nothing(toy_csv, tmp_
     assert not (tmp_path / "cmp" / "linear-head").exists()
     (tmp_path / "empty").mkdir()
     assert train(replace(cfg, out_dir=str(tmp_path / "empty")), progress=False)["steps"] == 2
+    # a seed or method given twice would be two runs in one folder: refused before the first one trains
+    with pytest.raises(capt.CaptError, match=r"seed 0 given more than once \(\[0, 1, 0\]\); each seed is one run"):
+        train_seeds(replace(cfg, out_dir=str(tmp_path / "twice")), [0, 1, 0], progress=False)
+    assert cli(args[:-1] + [str(tmp_path / "twice"), "--methods", "capt", "zero-shot", "capt"]) == 2
+    assert "method capt given more than once" in capsys.readouterr().err and not (tmp_path / "twice").exists()
 
 
 def test_resume_refuses_a_run_with_other_settings_and_loses_nothing(toy_csv, tmp_path):
