@@ -280,8 +280,8 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     if not resume:
         refuse_used_folders([cfg.out_dir])
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    data = prepare_data(cfg)   # bad data fails here, before the run's folder exists
     run = Run(cfg.out_dir if accelerator.is_main_process else None)
-    data = prepare_data(cfg)
     bb = backbone or load_backbone(cfg.backbone, dtype=cfg.dtype, device=str(accelerator.device))
     method = make_method(cfg.method, bb, data.task, CapsuleConfig.from_dict(cfg.capsule), cfg.seed,
                          cfg.num_virtual_tokens)

@@ -325,11 +325,35 @@ def test_cli_runs_and_prints_a_summary(toy_csv, tmp_path, capsys):
     (["--fusion", "sum"], "fusion='sum' is not valid"),
     (["--layers", "0,x"], "layers='0,x' is not valid"),
     (["--data-file", "x.csv"], "needs fields"),
+    # an option nothing in the run would use is refused, not silently ignored
+    (["--task", "cb", "--label-words", "0=yes", "1=no"], "--label-words applies only with --data-file (your own "
+                                                          "CSV/JSONL file); the built-in task 'cb' has its own"),
+    (["--fields", "text", "--label-column", "y"], "--fields, --label-column apply only with --data-file"),
+    (["--num-virtual-tokens", "5"], "--num-virtual-tokens is used by prompt-tuning and p-tuning-v2 only: method "
+                                    "capt would ignore it"),
+    (["--method", "deep-prompt-1", "--fusion", "project"], "--fusion is used by capt only: method deep-prompt-1"),
+    (["--method", "linear-head", "--head", "linear", "--layers", "odd"],
+     "--layers is used by capt and deep-prompt-1 only; --head is used by capt and deep-prompt-1 only: method "
+     "linear-head would ignore them"),
+    (["compare", "--methods", "capt", "--test-file", "t.csv"], "--test-file applies only with --data-file"),
 ])
 def test_bad_input_fails_before_training_with_a_clear_message(args, message, capsys, tmp_path):
-    code = cli(["--backbone", "tiny-llama", "--out", str(tmp_path / "r")] + args)
+    head = ["compare"] if args[:1] == ["compare"] else []
+    code = cli(head + ["--backbone", "tiny-llama", "--out", str(tmp_path / "r")] + args[len(head):])
     assert code == 2 and message in capsys.readouterr().err
-    assert not (tmp_path / "r" / "capsule").exists()
+    assert not (tmp_path / "r").exists()
+
+
+def test_options_a_method_uses_are_accepted(toy_csv, tmp_path, capsys):
+    """The other side of the refusals above: each option where its method uses it, and compare, which runs
+    every method at one set of options, takes capsule options beside baselines that ignore them."""
+    data = ["--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields", "text",
+            "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "1", "--quiet"]
+    assert cli(data + ["--method", "deep-prompt-1", "--layers", "odd", "--head", "linear"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_trainable"] == 2 * 32 + (32 * 2 + 2)   # 2 of 4 layers; d x C head
+    assert cli(data + ["--method", "prompt-tuning", "--num-virtual-tokens", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_trainable"] == 3 * 32
+    assert cli(["compare", *data, "--methods", "linear-head", "majority", "--fusion", "project"]) == 0
 
 
 def test_bad_data_files_are_refused(tmp_path):

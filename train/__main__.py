@@ -75,7 +75,8 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
     p.add_argument("--max-dev", type=int)
     p.add_argument("--max-test", type=int)
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
-    p.add_argument("--num-virtual-tokens", type=int, default=TrainConfig.num_virtual_tokens)
+    p.add_argument("--num-virtual-tokens", type=int,
+                   help=f"prompt-tuning, p-tuning-v2 only (default {TrainConfig.num_virtual_tokens})")
     p.add_argument("--fusion", help="add, prepend, extract, project, none")
     p.add_argument("--placement", help="slot, inplace")
     p.add_argument("--layers", help="all, odd, even, first_half, latter_half, or a comma list like 0,2,5")
@@ -87,7 +88,7 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
     p.add_argument("--test-file")
     p.add_argument("--fields", nargs="+", help="input fields of --data-file's task")
     p.add_argument("--columns", nargs="+", help="field=column pairs when the file's columns differ")
-    p.add_argument("--label-column", default="label")
+    p.add_argument("--label-column", help=f"--data-file's label column (default {TrainConfig.label_column!r})")
     p.add_argument("--label-words", nargs="+", help="label=word pairs, e.g. 1=yes 0=no")
     p.add_argument("--out", help="run folder: metrics.jsonl, summary.json, checkpoint/, capsule/")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint (compare: each method's own, under --out/<method>)")
@@ -95,7 +96,34 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
     return p
 
 
+# Options that only some runs use: given where nothing would use them, they are refused, not ignored.
+DATA_FILE_OPTIONS = ("fields", "columns", "label_column", "label_words", "test_file")
+OPTION_METHODS = {"fusion": ("capt",), "placement": ("capt",), "layers": ("capt", "deep-prompt-1"),
+                  "head": ("capt", "deep-prompt-1"), "num_virtual_tokens": ("prompt-tuning", "p-tuning-v2")}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def refuse_unused_options(args) -> None:
+    """An option the run would not use is an error, not a silent no-op. compare runs every method at one set
+    of options (each method takes the ones it uses), so only the data-file options are checked there."""
+    given = [n for n in DATA_FILE_OPTIONS if getattr(args, n) is not None]
+    if given and not args.data_file:
+        raise CaptError(f"{', '.join(map(_flag, given))} {'apply' if len(given) > 1 else 'applies'} only with "
+                        "--data-file (your own CSV/JSONL file); "
+                        f"the built-in task {args.task!r} has its own fields and label words")
+    method = getattr(args, "method", None)   # None in compare mode
+    unused = [n for n, users in OPTION_METHODS.items() if method and getattr(args, n) is not None
+              and method not in users]
+    if unused:
+        raise CaptError("; ".join(f"{_flag(n)} is used by {' and '.join(OPTION_METHODS[n])} only"
+                                  for n in unused) + f": method {method} would ignore {'them' if len(unused) > 1 else 'it'}")
+
+
 def config_from(args) -> TrainConfig:
+    refuse_unused_options(args)
     capsule = {k: getattr(args, k) for k in ("fusion", "placement", "head") if getattr(args, k)}
     if args.layers:
         capsule["layers"] = args.layers   # a preset or "0,2,5": CapsuleConfig parses and checks it
@@ -103,11 +131,11 @@ def config_from(args) -> TrainConfig:
         task=args.task, method=getattr(args, "method", "capt"), backbone=args.backbone, lr=args.lr,
         batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps, max_minutes=args.max_minutes,
         eval_every=args.eval_every, patience=args.patience, min_steps=args.min_steps, max_train=args.max_train,
-        max_dev=args.max_dev, max_test=args.max_test, warmup_steps=args.warmup_steps,
-        num_virtual_tokens=args.num_virtual_tokens,
-        capsule=capsule, dtype=args.dtype, data_dir=args.data_dir, source=args.source, data_file=args.data_file,
+        max_dev=args.max_dev, max_test=args.max_test, warmup_steps=args.warmup_steps, capsule=capsule,
+        dtype=args.dtype, data_dir=args.data_dir, source=args.source, data_file=args.data_file,
         test_file=args.test_file, fields=args.fields, columns=_pairs(args.columns, "--columns"),
-        label_column=args.label_column, label_words=_pairs(args.label_words, "--label-words"), out_dir=args.out)
+        label_words=_pairs(args.label_words, "--label-words"), out_dir=args.out,
+        **{k: getattr(args, k) for k in ("num_virtual_tokens", "label_column") if getattr(args, k) is not None})
 
 
 def probe_parser() -> argparse.ArgumentParser:
