@@ -380,9 +380,8 @@ def _finished_run(cfg: TrainConfig) -> dict | None:
 
 
 def saved_config(config: dict) -> dict:
-    """A config as a run's summary.json saved it, with any TrainConfig field added since (a run saved before
-    `min_steps` existed has none) at its default, which is what that run did; a moved folder is the same run
-    (`_finished_run` ignores out_dir)."""
+    """A config as a run's summary.json saved it, with any TrainConfig field added since at its default,
+    which is what that run did (a run saved before `min_steps` existed has none)."""
     defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory()
                 for f in dataclass_fields(TrainConfig)}
     return {**json.loads(json.dumps(defaults, default=str)), **config}

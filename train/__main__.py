@@ -118,8 +118,8 @@ def refuse_unused_options(args) -> None:
     unused = [n for n, users in OPTION_METHODS.items() if method and getattr(args, n) is not None
               and method not in users]
     if unused:
-        raise CaptError("; ".join(f"{_flag(n)} is used by {' and '.join(OPTION_METHODS[n])} only"
-                                  for n in unused) + f": method {method} would ignore {'them' if len(unused) > 1 else 'it'}")
+        users = "; ".join(f"{_flag(n)} is used by {' and '.join(OPTION_METHODS[n])} only" for n in unused)
+        raise CaptError(f"{users}: method {method} would ignore {'them' if len(unused) > 1 else 'it'}")
 
 
 def config_from(args) -> TrainConfig:
