@@ -179,11 +179,13 @@ class CallState:
     seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
     pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
     real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
+    prefill_only: bool = False       # generation: each hook acts in the first (prefill) pass only
 
     def __post_init__(self) -> None:   # per capsule slot and per pooled slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]
         self.pool_index = [onehot.long().argmax(1) for onehot in self.pool_onehot]
         self._cache: dict = {}
+        self.fired: set[int] = set()   # the capsule layers whose hook has acted (read when prefill_only)
 
     # What every capsule layer of one call shares, made once per call rather than once per layer: on a GPU
     # each is a kernel launch or autograd node per layer, and small batches are launch-bound. Same values
@@ -333,6 +335,10 @@ def _make_hook(capsule: Capsule, j: int, call: CallState):
         h = args[0] if args else kwargs["hidden_states"]
         if h.shape[1] != call.seq_len:  # a cached decoding step: the capsule was set in the prefill
             return None
+        if call.prefill_only:           # a one-token prompt's decoding steps have its length (inplace placement)
+            if j in call.fired:
+                return None
+            call.fired.add(j)
         h = capsule.fuse(j, h, call)
         if args:
             return (h, *args[1:]), kwargs

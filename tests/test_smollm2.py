@@ -110,6 +110,25 @@ def test_attention_anchor_vs_sink_on_the_real_model(smol):
         assert rep.anchor_mass().mean() > 0.05  # an anchor/sink gets a visible share of attention
 
 
+def test_generation_on_the_real_model(smol):
+    """capt.generate on SmolLM2: without a capsule exactly transformers' greedy generate; with the shipped CB
+    capsule, token for token the no-cache full forwards with the prompt's mean (tests/test_generation.py)."""
+    from test_generation import _cut, _eos, _reference
+
+    prompt = "The capital of France is"
+    ids = smol.tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        plain = smol.model.generate(**ids, max_new_tokens=6, do_sample=False,
+                                    pad_token_id=smol.tokenizer.pad_token_id)[0, ids["input_ids"].shape[1]:]
+    assert capt.generate(smol, prompt, max_new_tokens=6).token_ids == _cut(plain.tolist(), _eos(smol))
+    from pathlib import Path
+
+    capsule, cb = capt.load_capsule(Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m" / "cb", smol)
+    text = cb.render({"premise": "It rained all day.", "hypothesis": "The ground is dry."}, smol.style).prompt
+    got = capt.generate(smol, text, capsule=capsule, max_new_tokens=4)
+    assert got.token_ids == _cut(_reference(smol, capsule, text, 4), _eos(smol)) and got.text.strip()
+
+
 def test_shipped_capsules_load_and_reproduce_their_cards(smol):
     """Every shipped capsule loads on its backbone, predicts, and its saved metrics are the card's."""
     from pathlib import Path
