@@ -315,6 +315,12 @@ def test_cli_runs_and_prints_a_summary(toy_csv, tmp_path, capsys):
     assert line.startswith("capt on toy (tiny-llama): test accuracy ")
     assert f"test accuracy {100 * out['test']['accuracy']:.1f} %" in line
     assert f"2 steps (max_steps), kept step {out['best_step']}" in line and f"saved to {out['artifact']}" in line
+    # without --out nothing is kept, and the line says so
+    assert cli(["--backbone", "tiny-llama", "--task", "toy", "--data-file", str(toy_csv), "--fields", "text",
+                "--label-column", "y", "--label-words", "a= the", "b= a", "--max-steps", "1", "--quiet"]) == 0
+    printed = capsys.readouterr()
+    assert "artifact" not in json.loads(printed.out)
+    assert printed.err.strip().endswith("nothing saved: give --out to keep the run and what it trained")
 
 
 @pytest.mark.parametrize("args, message", [

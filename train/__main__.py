@@ -24,7 +24,7 @@ from capt.analysis import PAPER_KS, probe_on_val
 from capt.backbones import load_backbone
 from capt.errors import CaptError
 from capt.io import load_capsule, read_config
-from capt.methods import METHODS
+from capt.methods import METHODS, TRAINABLE
 from capt.tasks import TASKS, get_task
 from capt.training import Run, TrainConfig, compare, format_table, percent, train_seeds
 
@@ -192,6 +192,8 @@ def report(summary: dict) -> str:
     parts.append(f"{summary['n_trainable']:,} trainable, {summary['train_seconds']:.0f} s training")
     if summary.get("artifact"):
         parts.append(f"saved to {summary['artifact']}")
+    elif summary["method"] in TRAINABLE:
+        parts.append("nothing saved: give --out to keep the run and what it trained")
     return " · ".join(parts)
 
 
