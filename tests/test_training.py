@@ -321,6 +321,7 @@ def test_cli_runs_and_prints_a_summary(toy_csv, tmp_path, capsys):
     printed = capsys.readouterr()
     assert "artifact" not in json.loads(printed.out)
     assert printed.err.strip().endswith("nothing saved: give --out to keep the run and what it trained")
+    assert printed.err.startswith("note: no --out, so nothing this run trains will be saved")
 
 
 @pytest.mark.parametrize("args, message", [

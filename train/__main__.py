@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(compare_mode).parse_args(argv[1:] if compare_mode else argv)
     try:
         cfg = config_from(args)
+        trains = set(args.methods if compare_mode else [cfg.method]) & set(TRAINABLE)
+        if trains and not cfg.out_dir:   # said up front: the run may take hours
+            print("note: no --out, so nothing this run trains will be saved (capsule, log, summary)", file=sys.stderr)
         if compare_mode:
             rows = compare(cfg, args.methods, args.seeds, resume=args.resume, progress=not args.quiet)
             print(format_table(rows))
