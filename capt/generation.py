@@ -46,6 +46,7 @@ def generate(backbone: Backbone, prompts: str | list[str], capsule: Capsule | No
     Greedy by default; any other argument goes to transformers' `generate` (do_sample=True, temperature,
     top_p, repetition_penalty, ...). Decoder-only models decode one sequence per prompt (num_beams and
     num_return_sequences 1: the capsule's prefill is per prompt; repeat a prompt in the list for more).
+    A capsule's linear head, if it has one, plays no part: the text comes from the backbone's LM head.
     """
     single = isinstance(prompts, str)
     batch = [prompts] if single else list(prompts)
