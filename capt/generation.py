@@ -66,7 +66,7 @@ def generate(backbone: Backbone, prompts: str | list[str], capsule: Capsule | No
         raise CaptError(f"{many}: a decoder-only backbone decodes one sequence per prompt here (the capsule's "
                         "prefill is made per prompt); valid: 1, and repeat a prompt in the list to sample it again")
     tok = backbone.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = tok.pad_token_id   # load_backbone gives every tokenizer one (its EOS where it has none)
     # decoder-only: the new tokens share the model's limit with the prompt; T5's decoder has its own
     ids, dropped = encode_prompts(backbone, capsule, batch, reserve=0 if backbone.encoder_decoder else max_new_tokens)
     input_ids, mask = _device(backbone, *pad(ids, pad_id, "right" if backbone.encoder_decoder else "left"))

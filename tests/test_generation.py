@@ -77,12 +77,10 @@ def test_without_a_capsule_it_is_the_backbones_own_generate(backbone):
     tok = backbone.tokenizer
     got = generate(backbone, PROMPTS, max_new_tokens=N)
     side = "right" if backbone.encoder_decoder else "left"
-    ids, mask = capt.scoring.pad([tok(p)["input_ids"] for p in PROMPTS],
-                                 tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, side)
+    ids, mask = capt.scoring.pad([tok(p)["input_ids"] for p in PROMPTS], tok.pad_token_id, side)
     with torch.no_grad():
         out = backbone.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N, do_sample=False,
-                                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else
-                                      tok.eos_token_id)
+                                      pad_token_id=tok.pad_token_id)
     out = out[:, 1:] if backbone.encoder_decoder else out[:, ids.shape[1]:]
     assert [g.token_ids for g in got] == [_cut(row, _eos(backbone)) for row in out.tolist()]
 
