@@ -48,7 +48,8 @@ TRAIN_METHODS = {"capt": "CaPT (a capsule)", "deep-prompt-1": "deep prompt, 1 to
                  "prompt-tuning": "PEFT prompt tuning (a soft prompt)", "p-tuning-v2": "PEFT P-tuning v2 (prefix)",
                  "linear-head": "linear head on the frozen backbone"}
 GPU_CHUNK_S = int(os.environ.get("CAPT_GPU_CHUNK_S", 240))   # ZeroGPU: seconds of training per GPU call
-API_DOC = """Every action is an endpoint (`/predict`, `/attention`, `/probe`, `/train`, `/stop`; see "Use via API").
+API_DOC = """Every action is an endpoint (`/predict`, `/generate`, `/attention`, `/probe`, `/train`, `/stop`; see
+"Use via API").
 One `gradio_client.Client` is one session: the capsule `/train` returns (its 8th output) stays usable for it:
 ```python
 c = gradio_client.Client("http://127.0.0.1:7860/")
@@ -227,6 +228,21 @@ def predict_view(backbone: str, capsule: str = NONE, task: str = "rte", session:
         return *viz.prediction_panel(t, bb, bare, mine, cap, notes), ""
     except Exception as e:
         return None, "", viz.error_message(e)
+
+
+def generate_view(backbone: str, capsule: str = NONE, task: str = "rte", session: dict | None = None,
+                  hub_id: str = "", picked: dict | None = None, max_new_tokens: int = 24, **fields):
+    """(markdown, error message): what the backbone writes after the example's prompt (greedy, capt.generate),
+    without and with the capsule. Prediction itself never generates; this shows what else the capsule changes."""
+    try:
+        bb, cap, t, notes = resolve(hub_id or backbone, capsule, task, session)
+        prompt = t.render(make_example(t, fields, picked), bb.style).prompt
+        n = int(max_new_tokens)
+        bare = capt.generate(bb, prompt, max_new_tokens=n)
+        mine = capt.generate(bb, prompt, capsule=cap, max_new_tokens=n) if cap is not None else None
+        return viz.generation_markdown(prompt, bare, mine, notes), ""
+    except Exception as e:
+        return "", viz.error_message(e)
 
 
 def attention_view(backbone: str, capsule: str = NONE, task: str = "rte", layer: int = -1, head: int = -1,
@@ -437,9 +453,9 @@ def _finish(summary: dict, session: dict) -> dict:
     return {**out, "zip": zipped}
 
 
-if GPU is not None:   # ZeroGPU: each prediction / attention / probe call holds a GPU while it runs
-    predict_view, attention_view, probe_view = (on_gpu(d, f) for f, d in (
-        (predict_view, 60), (attention_view, 60), (probe_view, 120)))
+if GPU is not None:   # ZeroGPU: each prediction / continuation / attention / probe call holds a GPU while it runs
+    predict_view, generate_view, attention_view, probe_view = (on_gpu(d, f) for f, d in (
+        (predict_view, 60), (generate_view, 60), (attention_view, 60), (probe_view, 120)))
 
 
 def build_demo():
@@ -521,6 +537,12 @@ def build_demo():
             with gr.Tab("Predict") as tab_predict:
                 predict_btn = gr.Button("Predict", variant="primary")
                 probs, report = gr.Plot(label="label probabilities with and without the capsule"), gr.Markdown()
+                with gr.Accordion("What the backbone writes after the prompt (greedy), without and with the capsule",
+                                  open=False):
+                    with gr.Row():
+                        gen_tokens = gr.Slider(1, 64, value=24, step=1, label="new tokens")
+                        gen_btn = gr.Button("Generate", size="sm")
+                    gen_md = gr.Markdown()
             with gr.Tab("Attention") as tab_attn:
                 with gr.Row():
                     layer = gr.Slider(-1, 63, value=-1, step=1, label="layer (-1: mean over layers)")
@@ -594,6 +616,8 @@ def build_demo():
         common = dict(backbone=backbone, hub_id=hub_id, capsule=capsule, task=task, session=session, picked=picked,
                       **boxes, custom_fields=custom)
         predict_btn.click(warned(predict_view), inputs_kwargs=common, outputs=[probs, report, err], api_name="predict")
+        gen_btn.click(warned(generate_view), inputs_kwargs={**common, "max_new_tokens": gen_tokens},
+                      outputs=[gen_md, err], api_name="generate")
         gr.on([attn_btn.click, layer.release, head.release], warned(attention_view), api_name="attention",
               inputs_kwargs={**common, "layer": layer, "head": head, "soft_prompt": soft},
               outputs=[*maps, attn_md, err]).then(slider_ranges, [backbone, hub_id], [layer, head], **private)

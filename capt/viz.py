@@ -334,6 +334,21 @@ def prediction_panel(task, backbone, bare, mine=None, capsule=None, notes=()) ->
     return fig, " · ".join(said) + "\n\n" + report + "".join(f"\n\n⚠ {n}" for n in notes)
 
 
+def generation_markdown(prompt: str, bare, mine=None, notes=()) -> str:
+    """The continuation view: the prompt, then what the backbone writes after it without the capsule (`bare`, a
+    capt.Generation) and with it (`mine`), each as plain text in a code block; each note as a ⚠ line."""
+    def block(text: str) -> str:
+        text = (text or "(nothing: the backbone ended the text at once)").replace("```", "` ` `")
+        return f"```text\n{text}\n```"
+    parts = ["**Prompt**", block(prompt), "**Without capsule** (the bare backbone)", block(bare.text)]
+    if mine is not None:
+        parts += ["**With capsule** (computed once, in the prefill over the prompt)", block(mine.text)]
+    notes = list(notes)
+    if bare.truncated:
+        notes.append(f"the prompt was longer than the backbone's limit: {bare.dropped_tokens} tokens were cut")
+    return "\n\n".join(parts) + "".join(f"\n\n⚠ {n}" for n in notes)
+
+
 def capsule_markdown(capsule, backbone) -> str:
     """The capsule's parameter count and share of the backbone, its options and how it was trained."""
     rep, cfg, tr = capsule.param_report(backbone), capsule.config, capsule.meta.get("training") or {}

@@ -68,6 +68,29 @@ def test_train_streams_progress_and_yields_a_usable_capsule(trained, tmp_path):
     assert "trained for backbone" in app.predict_view("tiny-qwen2", path, "cb", session=session, **CB)[2]
 
 
+def test_generate_shows_the_continuation_without_and_with_the_capsule(trained, tmp_path):
+    """The Predict tab's continuation: the example's prompt, then capt.generate's text without and with the
+    capsule; a capsule the session cannot read, or empty text, gives the error and nothing else."""
+    session, states = trained
+    path = states[-1]["capsule"]
+    text, err = app.generate_view(BB, path, "cb", session=session, max_new_tokens=4, **CB)
+    bb = app.get_backbone(BB)
+    cap, cb = capt.load_capsule(path, bb)
+    prompt = cb.render(CB, bb.style).prompt
+    bare = capt.generate(bb, prompt, max_new_tokens=4)
+    mine = capt.generate(bb, prompt, capsule=cap, max_new_tokens=4)
+    assert err == "" and text == capt.viz.generation_markdown(prompt, bare, mine)
+    assert text.index("**Prompt**") < text.index("**Without capsule**") < text.index("**With capsule**")
+    assert f"```text\n{prompt}\n```" in text
+    text, err = app.generate_view(BB, app.NONE, "cb", max_new_tokens=4, **CB)
+    assert err == "" and "**With capsule**" not in text and "**Without capsule**" in text
+    for kw, message in [(dict(capsule=path, session=new_session(tmp_path), **CB), "unknown capsule"),
+                        (dict(premise="", hypothesis="x"), "empty text"),
+                        (dict(max_new_tokens=0, **CB), "max_new_tokens=0 is out of range")]:
+        text, err = app.generate_view(**{"backbone": BB, "task": "cb", **kw})
+        assert text == "" and message in err
+
+
 def test_attention_with_and_without_the_capsule(trained):
     session, states = trained
     *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", layer=1, head=2, session=session, **CB)
@@ -215,7 +238,7 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
     client = Client(url, verbose=False)
     try:
         api = client.view_api(print_info=False, return_format="dict")
-        assert set(api["named_endpoints"]) == {"/predict", "/attention", "/probe", "/train", "/stop"}
+        assert set(api["named_endpoints"]) == {"/predict", "/generate", "/attention", "/probe", "/train", "/stop"}
         assert api["unnamed_endpoints"] == {}
         fig, report, err = client.predict(backbone=BB, capsule=app.NONE, task="rte", api_name="/predict",
                                           premise="The cat sat.", hypothesis="A cat sat.")
@@ -232,6 +255,9 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
         fig, report, err = client.predict(backbone=BB, capsule=path, task="cb", premise="The cat sat.",
                                           hypothesis="A cat sat.", api_name="/predict")
         assert err == "" and "| capsule (W + fusion extras) | 128 |" in report
+        text, err = client.predict(backbone=BB, capsule=path, task="cb", premise="The cat sat.", hypothesis="A cat sat.",
+                                   max_new_tokens=3, api_name="/generate")
+        assert err == "" and "**With capsule**" in text
         # another client is another session: it cannot read the first one's capsule
         other = Client(url, verbose=False)
         assert "unknown capsule" in other.predict(backbone=BB, capsule=path, task="cb", premise="a", hypothesis="b",
@@ -354,11 +380,12 @@ def test_a_training_chunk_closed_early_stops_the_run(tmp_path):
 
 
 def test_zerogpu_views_take_and_return_plain_data(trained):
-    """Predict, attention and probe as ZeroGPU calls (forked worker, pickled arguments and results) give what
-    the plain calls give."""
+    """Predict, the continuation, attention and probe as ZeroGPU calls (forked worker, pickled arguments and
+    results) give what the plain calls give."""
     session, states = trained
     capsule = states[-1]["capsule"]
-    for view, kwargs in ((app.predict_view, CB), (app.attention_view, dict(layer=1, head=0, **CB)),
+    for view, kwargs in ((app.predict_view, CB), (app.generate_view, dict(max_new_tokens=3, **CB)),
+                         (app.attention_view, dict(layer=1, head=0, **CB)),
                          (app.probe_view, dict(n_examples=8, ks=[1, 2]))):
         here = view(BB, capsule, "cb", session=session, **kwargs)
         there = app.on_gpu(60, view, gpu=fake_zerogpu.GPU)(BB, capsule, "cb", session=session, **kwargs)

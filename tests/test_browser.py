@@ -174,6 +174,12 @@ def test_predict_shows_probabilities_and_a_report(page):
     expect(panel(page).get_by_text("No capsule: the bare backbone (zero-shot).")).to_be_visible()
     no_trouble(page)
     screenshot(page, "predict.png")
+    # the continuation, below: the prompt and what the bare backbone writes after it
+    panel(page).get_by_text("What the backbone writes after the prompt", exact=False).click()
+    panel(page).get_by_role("button", name="Generate", exact=True).click()
+    expect(panel(page).get_by_text("Without capsule", exact=False)).to_be_visible(timeout=SLOW)
+    expect(panel(page).get_by_text("Someone is making music.", exact=False).last).to_be_visible()
+    no_trouble(page)
 
 
 def test_attention_shows_the_heatmaps(page):
