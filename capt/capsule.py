@@ -176,16 +176,14 @@ class CallState:
 
     slot_onehot: list[torch.Tensor]  # per capsule slot, (B, T') bool: where that slot sits in each row
     mean_mask: torch.Tensor          # (B, T') which positions the instance mean is taken over
-    seq_len: int                     # T': the hooks act only on the full sequence (not KV-cache steps)
     pool_onehot: list[torch.Tensor] = field(default_factory=list)  # pooled slots (pooled_tokens), in order
     real_mask: torch.Tensor | None = None  # (B, T') the instance's real tokens (what pooling reads)
-    prefill_only: bool = False       # generation: each hook acts in the first (prefill) pass only
 
     def __post_init__(self) -> None:   # per capsule slot and per pooled slot, (B,) its position in each row
         self.slot_index = [onehot.long().argmax(1) for onehot in self.slot_onehot]
         self.pool_index = [onehot.long().argmax(1) for onehot in self.pool_onehot]
         self._cache: dict = {}
-        self.fired: set[int] = set()   # the capsule layers whose hook has acted (read when prefill_only)
+        self.fired: set[int] = set()   # the capsule layers whose hook has acted in this call
 
     # What every capsule layer of one call shares, made once per call rather than once per layer: on a GPU
     # each is a kernel launch or autograd node per layer, and small batches are launch-bound. Same values
@@ -250,7 +248,7 @@ def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.T
     pos = torch.arange(T, device=mask.device).expand(B, T)
     if capsule is None or capsule.config.n_slots == 0:
         slots = [pos == first[:, None]] if capsule is not None else []
-        call = CallState(slots, inst, T) if capsule is not None else None
+        call = CallState(slots, inst) if capsule is not None else None
         return Inputs(embeds, mask, _positions(mask), pos, call, first)
 
     S, K = capsule.config.n_slots, capsule.config.pooled_tokens          # K pooled slots come first
@@ -276,7 +274,7 @@ def build_inputs(backbone: Backbone, capsule: Capsule | None, input_ids: torch.T
     for s in range(1 if fusion != "none" else 0, len(is_slot)):          # task-only slots start at zero
         embeds = torch.where(is_slot[s][..., None], 0.0, embeds)
     real_index = (pos + S * (pos >= first[:, None]))
-    call = CallState(is_slot, inst2, T + S, pools, real2)
+    call = CallState(is_slot, inst2, pools, real2)
     return Inputs(embeds, mask2, _positions(mask2), real_index, call, first + K)
 
 
@@ -333,12 +331,13 @@ def attached(backbone: Backbone, capsule: Capsule | None, call: CallState | None
 def _make_hook(capsule: Capsule, j: int, call: CallState):
     def hook(module, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
-        if h.shape[1] != call.seq_len:  # a cached decoding step: the capsule was set in the prefill
+        # A call's first pass through the layer is the one the capsule belongs to; any later pass of the same
+        # call is a KV-cache decoding step (capt.generate), whose new tokens the capsule leaves alone whatever
+        # their length (a one-token prompt's steps have the prompt's length). Nothing here recomputes a forward
+        # (no gradient checkpointing), so training and scoring pass each layer once per call.
+        if j in call.fired:
             return None
-        if call.prefill_only:           # a one-token prompt's decoding steps have its length (inplace placement)
-            if j in call.fired:
-                return None
-            call.fired.add(j)
+        call.fired.add(j)
         h = capsule.fuse(j, h, call)
         if args:
             return (h, *args[1:]), kwargs

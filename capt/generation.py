@@ -2,9 +2,10 @@
 
 The capsule is computed once, in the prefill pass over the prompt (DESIGN.md: "During generation with a KV
 cache the capsule is computed once, in the prefill pass"): the slot's keys and values enter the KV cache with
-the prompt's and every generated token attends to them, while the one-token decoding steps pass the capsule's
-hooks untouched (`capt.capsule._make_hook`). So a generated token sees exactly what a full forward over
-prompt + generated text would show it with the capsule's instance mean taken over the prompt alone (tested).
+the prompt's and every generated token attends to them, while the decoding steps pass the capsule's hooks
+untouched (each hook acts once per call: `capt.capsule._make_hook`). So a generated token sees exactly what a
+full forward over prompt + generated text would show it with the capsule's instance mean taken over the prompt
+alone (tested).
 T5: the encoder runs once with the capsule and `generate` decodes from its output.
 
 Classification never generates: `predict` scores the label set only. This is for what else a capsule is
@@ -71,8 +72,6 @@ def generate(backbone: Backbone, prompts: str | list[str], capsule: Capsule | No
     ids, dropped = encode_prompts(backbone, capsule, batch, reserve=0 if backbone.encoder_decoder else max_new_tokens)
     input_ids, mask = _device(backbone, *pad(ids, pad_id, "right" if backbone.encoder_decoder else "left"))
     inputs = build_inputs(backbone, capsule, input_ids, mask)
-    if inputs.call is not None:
-        inputs.call.prefill_only = True
     model = backbone.model
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad_id, **generate_kwargs}
     with torch.no_grad(), backbone.lock, attached(backbone, capsule, inputs.call):

@@ -160,7 +160,7 @@ def test_fuse_golden_values():
         cap.weight.copy_(torch.tensor([[10.0, 20.0]]))
     h = torch.tensor([[[0.0, 0.0], [1.0, 2.0], [3.0, 4.0], [99.0, 99.0]]])   # slot, tok, tok, pad
     slot = torch.tensor([[True, False, False, False]])
-    call = capt.capsule.CallState([slot], torch.tensor([[1, 1, 1, 0]]), 4)
+    call = capt.capsule.CallState([slot], torch.tensor([[1, 1, 1, 0]]))
     out = cap.fuse(0, h.clone(), call)
     # mean of (0,0), (1,2), (3,4) = (4/3, 2); plus W
     assert torch.allclose(out[0, 0], torch.tensor([10 + 4 / 3, 22.0]))
@@ -352,7 +352,7 @@ def _ops_per_layer(option: str) -> tuple[list[str], list[str]]:
         torch.manual_seed(0)
         cap = Capsule(CapsuleConfig(layers=list(range(k)), **OPTIONS[option]), n_layers=2, hidden_size=8)
         slot = torch.tensor([0, 2, 1])
-        call = CallState([torch.arange(6)[None] == slot[:, None]], torch.ones(3, 6, dtype=torch.long), 6)
+        call = CallState([torch.arange(6)[None] == slot[:, None]], torch.ones(3, 6, dtype=torch.long))
         x = torch.randn(3, 6, 8, requires_grad=True)
         fwd, bwd = [], []
         h = x + 0                                  # a layer's fresh output, as the hooks receive it
