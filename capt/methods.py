@@ -31,6 +31,10 @@ from .tasks import Rendered, Task
 
 METHODS = ("capt", "deep-prompt-1", "linear-head", "prompt-tuning", "p-tuning-v2", "zero-shot", "majority")
 TRAINABLE = ("capt", "deep-prompt-1", "linear-head", "prompt-tuning", "p-tuning-v2")
+# Which methods read which option (make_method below): deep-prompt-1 fixes fusion "none" and the slot itself,
+# only the PEFT methods have virtual tokens; any other method ignores the option.
+OPTION_USERS = {"fusion": ("capt",), "placement": ("capt",), "layers": ("capt", "deep-prompt-1"),
+                "head": ("capt", "deep-prompt-1"), "num_virtual_tokens": ("prompt-tuning", "p-tuning-v2")}
 
 
 class Method(nn.Module):

@@ -24,7 +24,7 @@ from capt.analysis import PAPER_KS, probe_on_val
 from capt.backbones import load_backbone
 from capt.errors import CaptError
 from capt.io import load_capsule, read_config
-from capt.methods import METHODS, TRAINABLE
+from capt.methods import METHODS, OPTION_USERS, TRAINABLE
 from capt.tasks import TASKS, get_task
 from capt.training import Run, TrainConfig, compare, format_table, percent, train_seeds
 
@@ -98,8 +98,6 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
 
 # Options that only some runs use: given where nothing would use them, they are refused, not ignored.
 DATA_FILE_OPTIONS = ("fields", "columns", "label_column", "label_words", "test_file")
-OPTION_METHODS = {"fusion": ("capt",), "placement": ("capt",), "layers": ("capt", "deep-prompt-1"),
-                  "head": ("capt", "deep-prompt-1"), "num_virtual_tokens": ("prompt-tuning", "p-tuning-v2")}
 
 
 def _flag(name: str) -> str:
@@ -115,10 +113,10 @@ def refuse_unused_options(args) -> None:
                         "--data-file (your own CSV/JSONL file); "
                         f"the built-in task {args.task!r} has its own fields and label words")
     method = getattr(args, "method", None)   # None in compare mode
-    unused = [n for n, users in OPTION_METHODS.items() if method and getattr(args, n) is not None
+    unused = [n for n, users in OPTION_USERS.items() if method and getattr(args, n) is not None
               and method not in users]
     if unused:
-        users = "; ".join(f"{_flag(n)} is used by {' and '.join(OPTION_METHODS[n])} only" for n in unused)
+        users = "; ".join(f"{_flag(n)} is used by {' and '.join(OPTION_USERS[n])} only" for n in unused)
         raise CaptError(f"{users}: method {method} would ignore {'them' if len(unused) > 1 else 'it'}")
 
 
