@@ -133,6 +133,8 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
     """Every shipped capsule loads on its backbone, predicts, and its saved metrics are the card's."""
     from pathlib import Path
 
+    from train.card import shown_command
+
     shipped = sorted((Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m").glob("*/capsule.json"))
     for config in shipped:
         folder = config.parent
@@ -144,7 +146,7 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
         row = next(r for r in results["rows"] if r["method"] == "capt")
         saved = json.loads(config.read_text())["metrics"]
         card = (folder / "README.md").read_text()
-        assert results["command"] in card and f"{100 * row['test_accuracy']:.1f}" in card
+        assert shown_command(results["command"]) in card and f"{100 * row['test_accuracy']:.1f}" in card
         if "test_accuracy_std" in row:   # several seeds: the table has their mean, the capsule its own seed's
             assert f"which scored {100 * saved['accuracy']:.1f} on test" in card
         else:

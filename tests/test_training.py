@@ -405,6 +405,22 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     assert "| toy | accuracy | " in table and " | - | " in table   # one seed, no seeds run: no mean
 
 
+def test_card_shows_an_absolute_out_inside_the_checkout_as_a_relative_path():
+    """A run made from a git worktree records the main checkout's absolute --out; the card shows what a reader
+    types from the checkout's root, and leaves any other command exactly as recorded."""
+    import shlex
+    from train.card import ROOT, shown_command
+
+    out = shlex.quote(str(ROOT / "runs" / "cb x"))
+    recorded = f"python -m train compare --task cb --seeds 0 1 --quiet --out {out} --resume"
+    assert shown_command(recorded) == "python -m train compare --task cb --seeds 0 1 --quiet --out 'runs/cb x' --resume"
+    elsewhere = "python -m train --task cb --out /tmp/cb-run --max-steps 3"
+    assert shown_command(elsewhere) == elsewhere
+    relative = "python -m train --task 'my task' --out runs/x"
+    assert shown_command(relative) == relative
+    assert shown_command("(command not recorded)") == "(command not recorded)"
+
+
 def test_card_notes_name_a_short_budget_only_when_there_was_one():
     """A trained baseline ahead of CaPT is reported either way; 'budget' is said only of a capped run."""
     from train.card import _notes

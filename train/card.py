@@ -53,6 +53,20 @@ def _read_json(path: Path, hint: str) -> dict:
         raise CaptError(f"{path} is missing: {hint}") from None
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shown_command(command: str) -> str:
+    """A recorded command as a card shows it: an absolute --out inside this checkout becomes the relative path a
+    reader types from its root (runs made from a git worktree record the main checkout's absolute path)."""
+    words = shlex.split(command)
+    outs = [i + 1 for i, w in enumerate(words[:-1]) if w == "--out" and Path(words[i + 1]).is_absolute()
+            and Path(words[i + 1]).is_relative_to(ROOT)]
+    for i in outs:
+        words[i] = str(Path(words[i]).relative_to(ROOT))
+    return shlex.join(words) if outs else command
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -112,7 +126,7 @@ capt.predict(bb, task, example, capsule=capsule)
 ## How it was made
 
 ```bash
-{command}
+{shown_command(command)}
 ```
 
 - Data: {summary['data'].rstrip('.')}; {summary['n_train']} train, {summary['n_dev']} dev (model selection), {summary['n_test']}
@@ -260,7 +274,7 @@ def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
     repro = {True: f" Seed {rec['shipped_seed']} reproduced the shipped capsule bit for bit.",
              False: f" Seed {rec['shipped_seed']} trained a capsule that differs from the shipped one in its bits "
                     "(other code or thread count).", None: ""}[rec["reproduces_shipped"]]
-    return (f"Seeds {', '.join(map(str, rec['seeds']))}, CaPT alone, same settings ({rec['command']}{commit}): "
+    return (f"Seeds {', '.join(map(str, rec['seeds']))}, CaPT alone, same settings ({shown_command(rec['command'])}{commit}): "
             f"test {scores} (best dev at steps {', '.join(str(r['best_step']) for r in rec['runs'])}); "
             f"{refs}.{repro} The table above compares methods on seed {rec['shipped_seed']}; the README's "
             "seeds column is this mean.")
@@ -341,7 +355,7 @@ def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
     where = f" on {_machine({'code': {'machine': rec['machine'], 'torch': rec['torch']}})}" if rec.get("machine") else ""
     added = ", ".join(map(str, rec["seeds"][1:]))
     return (f"Baselines, seeds {', '.join(map(str, rec['seeds']))}: seed {rec['seeds'][0]} is the table above; seeds "
-            f"{added} were added by the same compare for the baselines alone ({rec['command']}{commit}{where}). "
+            f"{added} were added by the same compare for the baselines alone ({shown_command(rec['command'])}{commit}{where}). "
             f"Test, seeds in that order: {'. '.join(parts)}. The README table gives these means, marked ({n}).")
 
 
