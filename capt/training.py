@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields as dataclass_fields, replace
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,8 @@ from .config import CapsuleConfig
 from .errors import CaptError
 from .files import atomic_folder
 from .hub import check_repo_id
-from .methods import METHODS, TRAINABLE, Method, make_method
+from .io import load_capsule, read_config
+from .methods import METHODS, TRAINABLE, CaptMethod, Method, make_method
 from .tasks import Task, custom_task, get_task, load_examples, load_file, split_note
 
 DEFAULT_LR = {"capt": 3e-2, "deep-prompt-1": 3e-2, "linear-head": 1e-3, "prompt-tuning": 3e-1,
@@ -193,6 +195,13 @@ def bucketed_batches(lengths: list[int], batch_size: int, seed: int, epoch: int)
 
 def evaluate(method: Method, examples: list[dict], batch_size: int = 16, accelerator=None) -> dict:
     """Test metrics of `method` on labelled examples (sharded across processes when distributed)."""
+    return evaluate_counted(method, examples, batch_size, accelerator)[0]
+
+
+def evaluate_counted(method: Method, examples: list[dict], batch_size: int = 16,
+                     accelerator=None) -> tuple[dict, dict]:
+    """(metrics, counts) of `method` on labelled examples: `evaluate`'s metrics and what it answered for each
+    gold label, {gold label: {predicted label: n}} in the task's label order (`label_counts`)."""
     task, bb = method.task, method.bb
     rendered = [task.render(e, bb.style) for e in examples]
     order = sorted(range(len(rendered)), key=lambda i: len(rendered[i].prompt))
@@ -208,8 +217,42 @@ def evaluate(method: Method, examples: list[dict], batch_size: int = 16, acceler
         from accelerate.utils import gather_object
         preds = {i: p for part in gather_object([preds]) for i, p in part.items()}
     pred_list = [preds[i] for i in range(len(rendered))]
+    golds = [r.label for r in rendered]
     groups = [r.group for r in rendered] if any(r.group for r in rendered) else None
-    return task.metrics(pred_list, [r.label for r in rendered], groups)
+    return task.metrics(pred_list, golds, groups), label_counts(task, pred_list, golds)
+
+
+def label_counts(task: Task, preds: list[int], golds: list[int]) -> dict:
+    """{gold label: {predicted label: n}} over every pair of the task's labels (zeros kept), so a method that
+    never answers one label, or answers one label always, shows it at a glance."""
+    pairs = Counter(zip(golds, preds))
+    return {g: {p: pairs[(i, j)] for j, p in enumerate(task.labels)} for i, g in enumerate(task.labels)}
+
+
+def evaluate_capsule(folder: str | Path, split: str = "test", backbone: Backbone | None = None) -> dict:
+    """Score a saved capsule again on the split its training used, as training scored it: the data, caps and
+    split from its capsule.json's training config (defaults for the capsule's task when it records none).
+    Returns the metrics, what it answered for each gold label (`label_counts`), and the metrics it recorded
+    when it was saved, to compare (equal with the same code, thread count and kind of CPU)."""
+    if split not in ("test", "dev"):
+        raise CaptError(f"split must be 'test' or 'dev', got {split!r}")
+    saved = read_config(folder)
+    training = saved.get("training") or {}
+    trained = training.get("config")
+    bb = backbone or load_backbone(trained["backbone"] if trained else saved["backbone"]["name"],
+                                   dtype=trained["dtype"] if trained else "float32")
+    capsule, task = load_capsule(folder, bb)
+    if task is None:
+        raise CaptError(f"{folder} was saved without a task, so there is no split to score it on")
+    cfg = TrainConfig(**saved_config(trained)) if trained else TrainConfig(task=task.name, backbone=bb.name)
+    data = prepare_data(cfg)
+    method = CaptMethod(bb, task, capsule.config)
+    method.capsule = capsule
+    metrics, counts = evaluate_counted(method, data.test if split == "test" else data.dev)
+    recorded = saved.get("metrics") if split == "test" else training.get("dev")
+    return {"folder": str(folder), "task": task.name, "backbone": bb.name, "split": split, "data": data.note,
+            "n": len(data.test if split == "test" else data.dev), "metrics": metrics, "counts": counts,
+            "recorded": recorded, "same_as_recorded": recorded == metrics if recorded else None}
 
 
 def primary_metric(task: Task) -> str:
@@ -311,12 +354,12 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     else:
         state["stopped_by"] = "no training"
 
-    test = evaluate(method, data.test, accelerator=accelerator)
+    test, test_counts = evaluate_counted(method, data.test, accelerator=accelerator)
     # the kept state's dev metrics were measured when it was kept; only untrained methods need a pass
     dev = state["best_dev"] or evaluate(method, data.dev, accelerator=accelerator)
     summary.update(steps=state["step"], best_step=state["best_step"], stopped_by=state["stopped_by"],
                    train_seconds=round(state["elapsed"], 1), wall_seconds=round(time.time() - started, 1),
-                   dev=dev, test=test)
+                   dev=dev, test=test, test_counts=test_counts)
     if run.dir:
         artifact = method.save(run.dir / method.artifact, training=summary, metrics=test)
         summary["artifact"] = str(artifact) if artifact else None

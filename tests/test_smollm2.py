@@ -173,18 +173,18 @@ def test_shipped_capsule_reproduces_its_test_score(smol, task_name):
     smallest tasks, so CI stays short): the numbers in capsules/ are reproducible, not just recorded."""
     from pathlib import Path
 
-    from capt.methods import CaptMethod
-    from capt.training import TrainConfig, evaluate, prepare_data
+    from capt.training import evaluate_capsule
 
     folder = Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m" / task_name
-    capsule, task = capt.load_capsule(folder, smol)
     saved = json.loads((folder / "capsule.json").read_text())
-    method = CaptMethod(smol, task)
-    method.capsule = capsule
-    test = prepare_data(TrainConfig(task=task_name, **{k: saved["training"]["config"][k] for k in (
-        "max_train", "max_dev", "max_test")})).test
-    got = evaluate(method, test)
-    assert got == pytest.approx(saved["metrics"], abs=1e-12), (got, saved["metrics"])
+    got = evaluate_capsule(folder, "test", smol)   # what `python -m train evaluate --capsule FOLDER` prints
+    assert got["metrics"] == pytest.approx(saved["metrics"], abs=1e-12), (got["metrics"], saved["metrics"])
+    assert got["same_as_recorded"] and got["n"] == saved["training"]["n_test"]
+    assert sum(row[g] for g, row in got["counts"].items()) == round(got["metrics"]["accuracy"] * got["n"])
+    if task_name == "cb":   # the CB card's gold x predicted counts (it never answers 'neutral')
+        assert got["counts"] == {"entailment": {"entailment": 17, "contradiction": 6, "neutral": 0},
+                                 "contradiction": {"entailment": 9, "contradiction": 19, "neutral": 0},
+                                 "neutral": {"entailment": 2, "contradiction": 3, "neutral": 0}}
 
 
 def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch, serve):

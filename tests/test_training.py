@@ -48,6 +48,13 @@ def test_three_step_run_writes_its_files(method, tmp_path):
     run = tmp_path / method
     saved = json.loads((run / "summary.json").read_text())
     assert saved["method"] == method and set(saved["test"]) == {"accuracy", "macro_f1"}
+    counts = saved["test_counts"]   # gold -> predicted, every pair of labels, zeros kept
+    assert list(counts) == ["entailment", "contradiction", "neutral"]
+    assert all(list(r) == list(counts) for r in counts.values())
+    assert sum(n for r in counts.values() for n in r.values()) == saved["n_test"] == 6
+    assert sum(counts[g][g] for g in counts) / 6 == pytest.approx(saved["test"]["accuracy"])
+    if method == "majority":   # one answer for every example
+        assert sum(any(r[p] for r in counts.values()) for p in counts) == 1
     log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     if method in ("zero-shot", "majority"):
         assert summary["steps"] == 0 and summary["n_trainable"] == 0
@@ -62,6 +69,43 @@ def test_three_step_run_writes_its_files(method, tmp_path):
         if method == "deep-prompt-1":
             assert cap.config.fusion == "none"
     assert log[-1]["kind"] == "done"
+
+
+def test_label_counts_cross_gold_with_predicted_in_label_order():
+    from capt.training import label_counts
+
+    task = capt.get_task("cb")   # entailment, contradiction, neutral
+    counts = label_counts(task, preds=[0, 0, 1, 0, 1], golds=[0, 1, 1, 2, 2])
+    assert counts == {"entailment": {"entailment": 1, "contradiction": 0, "neutral": 0},
+                      "contradiction": {"entailment": 1, "contradiction": 1, "neutral": 0},
+                      "neutral": {"entailment": 1, "contradiction": 1, "neutral": 0}}
+
+
+def test_evaluate_scores_a_saved_capsule_again_as_training_did(tmp_path, capsys):
+    """`python -m train evaluate` rebuilds the capsule's split from its capsule.json and gets the test and dev
+    metrics the run recorded, with what it answered per gold label; bad input is a clear message."""
+    from capt.training import evaluate_capsule
+
+    bb = tiny("tiny-llama")
+    cfg = TrainConfig(task="cb", backbone=bb.name, max_steps=4, eval_every=2, max_train=24, max_dev=8,
+                      max_test=10, out_dir=str(tmp_path / "run"))
+    summary = train(cfg, bb, progress=False)
+    folder = tmp_path / "run" / "capsule"
+    out = tmp_path / "eval.json"
+    assert cli(["evaluate", "--capsule", str(folder), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{folder} on cb test (10 examples; " in printed and "the same as it recorded when it was saved" in printed
+    result = json.loads(out.read_text())
+    assert result["metrics"] == summary["test"] and result["same_as_recorded"] is True
+    assert result["counts"] == summary["test_counts"] and result["command"].startswith("python -m train evaluate")
+    for gold, row in result["counts"].items():
+        assert f"| {gold} ({sum(row.values())}) | " + " | ".join(map(str, row.values())) + " |" in printed
+    dev = evaluate_capsule(folder, "dev", bb)   # the kept state's dev metrics, measured when it was kept
+    assert dev["n"] == 8 and dev["metrics"] == summary["dev"] and dev["same_as_recorded"] is True
+    assert cli(["evaluate", "--capsule", str(tmp_path)]) == 2
+    assert "is not a capsule folder: it has no capsule.json" in capsys.readouterr().err
+    with pytest.raises(capt.CaptError, match="split must be 'test' or 'dev'"):
+        evaluate_capsule(folder, "train", bb)
 
 
 def test_loss_goes_down_on_a_learnable_task(toy_csv, tmp_path):
@@ -390,6 +434,16 @@ def test_compare_cli_then_model_card(toy_csv, tmp_path, capsys):
     shipped = tmp_path / "shipped" / "toy"
     text = (shipped / "README.md").read_text()
     assert "python -m train compare" in text and "| zero-shot |" in text and "| majority |" in text
+    answered = {m: json.loads((run / m / "summary.json").read_text())["test_counts"]
+                for m in ("capt", "zero-shot")}
+    line = next(x for x in text.splitlines() if x.startswith("- What each method answered on the "))
+    for m, c in answered.items():   # gold (how many) -> predicted, as the run counted; majority left out
+        (g, x), (h, y) = c.items()   # the custom task's labels are its words, 'the' and 'a'
+        assert (f"{m}: {g} ({sum(x.values())}) → {x[g]} {g}, {x[h]} {h}; "
+                f"{h} ({sum(y.values())}) → {y[g]} {g}, {y[h]} {h}") in line
+    assert "majority" not in line and "seed" not in line   # one seed: no seed named
+    kept = json.loads((shipped / "results.json").read_text())["test_counts"]
+    assert kept == {m: {"seed": None, "counts": c} for m, c in answered.items()}
     code = json.loads((run / "capt" / "summary.json").read_text())["code"]
     where = f"commit {code['commit'][:10]}" if code["commit"] else "outside a git checkout"
     assert f"- Code: capt {capt.__version__} ({where}" in text and f"torch threads: {code['threads']}." in text
@@ -470,6 +524,9 @@ def test_model_card_of_a_several_seed_compare(toy_csv, tmp_path, capsys):
     assert f"Best dev at steps: capt {', '.join(str(r['best_step']) for r in runs)}." in text
     kept = json.loads((tmp_path / "shipped" / "results.json").read_text())["seed_runs"]
     assert list(kept) == ["capt"] and [r["seed"] for r in kept["capt"]] == [0, 1, 2]
+    (g, x), _ = shipped["test_counts"].items()
+    assert (f"(several seeds: the seed best on dev). capt, seed {best} (shipped): {g} ({sum(x.values())}) → "
+            + ", ".join(f"{n} {p}" for p, n in x.items()) + ";") in text
     assert [r["test"] for r in kept["capt"]] == [r["test"] for r in runs]
 
 

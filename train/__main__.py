@@ -7,9 +7,10 @@
     python -m train --task sentiment --data-file reviews.csv --fields review --label-words pos=good neg=bad
     accelerate launch -m train --task boolq --backbone t5-base        # several GPUs, no code change
     python -m train probe --capsule runs/cb/capt/capsule --n-examples 56   # the paper's training-free probe
+    python -m train evaluate --capsule capsules/smollm2-135m/cb           # score a capsule again, per label
 
-Everything it does is capt.training.train / train_seeds / compare and capt.analysis.probe_on_val; this file
-only parses arguments.
+Everything it does is capt.training.train / train_seeds / compare / evaluate_capsule and
+capt.analysis.probe_on_val; this file only parses arguments.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from capt.errors import CaptError
 from capt.io import load_capsule, read_config
 from capt.methods import METHODS, OPTION_USERS, TRAINABLE
 from capt.tasks import TASKS, get_task
-from capt.training import Run, TrainConfig, compare, format_table, percent, train_seeds
+from capt.training import Run, TrainConfig, compare, evaluate_capsule, format_table, percent, train_seeds
 
 
 def _pairs(items: list[str] | None, what: str) -> dict | None:
@@ -174,6 +175,49 @@ def probe(argv: list[str]) -> int:
     return 0
 
 
+def evaluate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train evaluate", description=(
+        "Score a saved capsule again on the split its training used (its capsule.json's data, caps and split), "
+        "as training scored it: the metrics, what it answered for each gold label, and whether the metrics are "
+        "the ones it recorded when it was saved (the same code, thread count and kind of CPU give the same)."))
+    p.add_argument("--capsule", required=True, help="a capsule folder (e.g. capsules/smollm2-135m/cb)")
+    p.add_argument("--split", choices=("test", "dev"), default="test")
+    p.add_argument("--backbone", help="default: the capsule's own")
+    p.add_argument("--json", type=Path, help="also write the result here")
+    return p
+
+
+def counts_table(counts: dict) -> str:
+    """{gold: {predicted: n}} as a Markdown table, one row per gold label (with how many there are)."""
+    labels = list(counts)
+    lines = ["| gold / predicted | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    lines += [f"| {g} ({sum(row.values())}) | " + " | ".join(str(row[p]) for p in labels) + " |"
+              for g, row in counts.items()]
+    return "\n".join(lines)
+
+
+def evaluate(argv: list[str]) -> int:
+    args = evaluate_parser().parse_args(argv)
+    try:
+        bb = load_backbone(args.backbone) if args.backbone else None
+        result = evaluate_capsule(args.capsule, args.split, bb)
+    except CaptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    scores = ", ".join(f"{k} {100 * v:.1f} %" for k, v in result["metrics"].items())
+    verdict = {True: "the same as it recorded when it was saved", None: "no metrics recorded to compare",
+               False: "recorded when it was saved: " + ", ".join(
+                   f"{k} {100 * v:.1f} %" for k, v in (result["recorded"] or {}).items()
+                   if not k.endswith("_std")) + " (other code, thread count or CPU)"}[result["same_as_recorded"]]
+    print(f"{args.capsule} on {result['task']} {args.split} ({result['n']} examples; {result['data']}): {scores}; "
+          f"{verdict}\n\n{counts_table(result['counts'])}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**result, "command": "python -m train evaluate " + shlex.join(argv)},
+                                        indent=2) + "\n")
+    return 0
+
+
 def report(summary: dict) -> str:
     """The run's outcome in one line: test (and dev) metrics in %, with ± their std over seeds, how it ended and
     where the capsule (or baseline artifact) went."""
@@ -199,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "probe":
         return probe(argv[1:])
+    if argv and argv[0] == "evaluate":
+        return evaluate(argv[1:])
     compare_mode = bool(argv) and argv[0] == "compare"
     args = parser(compare_mode).parse_args(argv[1:] if compare_mode else argv)
     try:

@@ -72,7 +72,7 @@ def _pct(x: float) -> str:
 
 
 def card_text(compare: dict, summary: dict, command: str, steps: dict | None = None,
-              extra: list | None = None, seeds_run: dict | None = None) -> str:
+              extra: list | None = None, seeds_run: dict | None = None, counts: dict | None = None) -> str:
     rows = compare["rows"]
     steps = steps or {}
     metric_keys = compare_metric_keys(rows[0])
@@ -105,6 +105,8 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
                         + ": within the noise of one seed, so read it as a tie.")
     options = {k: v for k, v in cfg["capsule"].items()} or "defaults (add fusion, slot, all layers, verbalizer)"
     per_seed = _per_seed_table(compare["seed_runs"], rows, primary) if compare.get("seed_runs") else ""
+    notes = (([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else [])
+             + ([_counts_note(counts, summary["n_test"])] if counts else []) + (extra or []))
     return f"""---
 library_name: capt
 tags: [capt, capsule-prompt-tuning, peft, superglue]
@@ -141,7 +143,7 @@ capt.predict(bb, task, example, capsule=capsule)
 
 {verdict}
 
-{per_seed}{_notes(rows, primary, cfg, summary, ([_seeds_run_note(seeds_run, rows, primary)] if seeds_run else []) + (extra or []))}{CARD_TAIL} Majority class always predicts the most frequent
+{per_seed}{_notes(rows, primary, cfg, summary, notes)}{CARD_TAIL} Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
 """
 
@@ -219,6 +221,30 @@ def _seed_entry(r: dict) -> dict:
     """What results.json keeps of one seed's run."""
     return {"seed": r["config"]["seed"], "test": r["test"], "dev": r["dev"], "best_step": r["best_step"],
             "steps": r["steps"]}
+
+
+def answer_counts(summaries: dict) -> dict:
+    """What each method but the majority class answered on the test split, from its summary.json (`summaries`, by
+    method): {method: {"seed": s or None, "counts": {gold: {predicted: n}}}}, for several seeds the seed best on
+    dev (CaPT's: the shipped capsule). Runs that predate the counts are left out."""
+    out = {}
+    for m, s in summaries.items():
+        run = next(r for r in s["runs"] if r["config"]["seed"] == s["best_seed"]) if s.get("runs") else s
+        if m != "majority" and run.get("test_counts"):
+            out[m] = {"seed": run["config"]["seed"] if s.get("runs") else None, "counts": run["test_counts"]}
+    return out
+
+
+def _counts_note(counts: dict, n_test: int) -> str:
+    """The card's line on what each method answered: gold label (its count) -> predicted label counts."""
+    def one(m: str, c: dict) -> str:
+        seed = f", seed {c['seed']}" + (" (shipped)" if m == "capt" else "") if c["seed"] is not None else ""
+        per_gold = "; ".join(f"{g} ({sum(row.values())}) → " + ", ".join(f"{n} {p}" for p, n in row.items())
+                             for g, row in c["counts"].items())
+        return f"{m}{seed}: {per_gold}"
+    return (f"What each method answered on the {n_test} test examples, gold label (how many) → predicted labels"
+            f"{' (several seeds: the seed best on dev)' if any(c['seed'] is not None for c in counts.values()) else ''}"
+            ". " + ". ".join(one(m, c) for m, c in counts.items()) + ".")
 
 
 def seed_runs(summaries: dict) -> dict:
@@ -528,11 +554,14 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("seeds"):   # a compare of several seeds: keep every seed of every trained method
         compare = {**compare, "seed_runs": seed_runs(summaries)}
     steps = {m: s.get("steps") for m, s in summaries.items()}
+    counts = answer_counts(summaries)
+    if counts:
+        compare = {**compare, "test_counts": counts}
     target = Path(args.to)
     with atomic_folder(target) as tmp:
         for f in (run / "capt" / "capsule").iterdir():
             shutil.copy(f, tmp / f.name)
-        (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note, seeds_run))
+        (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note, seeds_run, counts))
         (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
     print(f"wrote {target}")
     return 0
