@@ -209,8 +209,9 @@ def evaluate(argv: list[str]) -> int:
                False: "recorded when it was saved: " + ", ".join(
                    f"{k} {100 * v:.1f} %" for k, v in (result["recorded"] or {}).items()
                    if not k.endswith("_std")) + " (other code, thread count or CPU)"}[result["same_as_recorded"]]
-    print(f"{args.capsule} on {result['task']} {args.split} ({result['n']} examples; {result['data']}): {scores}; "
-          f"{verdict}\n\n{counts_table(result['counts'])}")
+    where = f"{result['n']} examples; {result['data'].rstrip('.')}"
+    print(f"{args.capsule} on {result['task']} {args.split} ({where}): {scores}; {verdict}\n\n"
+          f"{counts_table(result['counts'])}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**result, "command": "python -m train evaluate " + shlex.join(argv)},
