@@ -248,10 +248,11 @@ def evaluate_capsule(folder: str | Path, split: str = "test", backbone: Backbone
     data = prepare_data(cfg)
     method = CaptMethod(bb, task, capsule.config)
     method.capsule = capsule
-    metrics, counts = evaluate_counted(method, data.test if split == "test" else data.dev)
+    examples = data.test if split == "test" else data.dev
+    metrics, counts = evaluate_counted(method, examples)
     recorded = saved.get("metrics") if split == "test" else training.get("dev")
     return {"folder": str(folder), "task": task.name, "backbone": bb.name, "split": split, "data": data.note,
-            "n": len(data.test if split == "test" else data.dev), "metrics": metrics, "counts": counts,
+            "n": len(examples), "metrics": metrics, "counts": counts,
             "recorded": recorded, "same_as_recorded": recorded == metrics if recorded else None}
 
 

@@ -83,7 +83,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
                      + " | ".join(metric_cell(r, k) for k in metric_keys) + " |")
     seeds = summary.get("seeds")
     if seeds:   # several seeds: the shipped capsule is the one best on dev; its own run describes the training
-        shipped = next(r for r in summary["runs"] if r["config"]["seed"] == summary["best_seed"])
+        shipped = best_seed_run(summary)
         summary = {**shipped, "n_test": summary["n_test"], "seeds": seeds, "test_mean": summary["test"]}
     cfg = summary["config"]
     capt_row = next(r for r in rows if r["method"] == "capt")
@@ -223,13 +223,18 @@ def _seed_entry(r: dict) -> dict:
             "steps": r["steps"]}
 
 
+def best_seed_run(summary: dict) -> dict:
+    """A several-seed summary's run of the seed best on dev (for CaPT: the shipped capsule's)."""
+    return next(r for r in summary["runs"] if r["config"]["seed"] == summary["best_seed"])
+
+
 def answer_counts(summaries: dict) -> dict:
     """What each method but the majority class answered on the test split, from its summary.json (`summaries`, by
     method): {method: {"seed": s or None, "counts": {gold: {predicted: n}}}}, for several seeds the seed best on
     dev (CaPT's: the shipped capsule). Runs that predate the counts are left out."""
     out = {}
     for m, s in summaries.items():
-        run = next(r for r in s["runs"] if r["config"]["seed"] == s["best_seed"]) if s.get("runs") else s
+        run = best_seed_run(s) if s.get("runs") else s
         if m != "majority" and run.get("test_counts"):
             out[m] = {"seed": run["config"]["seed"] if s.get("runs") else None, "counts": run["test_counts"]}
     return out
