@@ -371,7 +371,29 @@ def summary_markdown(summary: dict) -> str:
     return (f"**Done** ({summary['stopped_by']}): {summary['steps']} steps in {summary['train_seconds']:.0f} s, best "
             f"dev at step {summary['best_step']}. Test ({summary['n_test']} examples): {scores}. "
             f"{summary['n_trainable']:,} trainable parameters ({share:.4f} % of the backbone). "
-            f"Data: {summary['data']}.")
+            f"Data: {summary['data']}.{answers_sentence(summary)}")
+
+
+def counts_text(counts: dict) -> str:
+    """`capt.training.label_counts` in one line: 'gold (how many) → n answer, n answer; ...'."""
+    return "; ".join(f"{g} ({sum(row.values())}) → " + ", ".join(f"{n} {p}" for p, n in row.items())
+                     for g, row in counts.items())
+
+
+def answers_sentence(summary: dict) -> str:
+    """' What it answered ...' from a summary's test_counts ('' for runs that predate them): per gold label how
+    many of each answer, so a run that learned to answer one label everywhere shows it; for accuracy, what
+    always answering the test split's most frequent label would score beside it."""
+    counts = summary.get("test_counts")
+    if not counts:
+        return ""
+    text = f" What it answered on the test split, gold label (how many) → answers: {counts_text(counts)}."
+    totals = {g: sum(row.values()) for g, row in counts.items()}
+    top = max(totals, key=totals.get)
+    if "accuracy" in summary["test"] and sum(totals.values()):
+        text += (f" Always answering '{top}' would score {100 * totals[top] / sum(totals.values()):.1f} % accuracy "
+                 f"here.")
+    return text
 
 
 def run_row(summary: dict, when: str = "") -> dict:

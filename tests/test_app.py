@@ -5,6 +5,7 @@ under a minute; SmolLM2 is never loaded here.
 """
 import csv
 import json
+import re
 import os
 import zipfile
 
@@ -46,6 +47,11 @@ def test_train_streams_progress_and_yields_a_usable_capsule(trained, tmp_path):
     session, states = trained
     final = states[-1]
     assert final["error"] == "" and "**Done** (max_steps): 3 steps" in final["progress"]
+    answered = re.search(r"What it answered on the test split, gold label \(how many\) → answers: (.*?)\. Always",
+                         final["progress"]).group(1)   # CB's test split: 23 / 28 / 5 per gold label
+    assert [(g, int(n), sum(map(int, re.findall(r"(\d+) \w+", rest)))) for g, n, rest in
+            re.findall(r"(\w+) \((\d+)\) → ([^;]*)", answered)] == [
+        ("entailment", 23, 23), ("contradiction", 28, 28), ("neutral", 5, 5)]
     assert any(s["progress"].startswith("step ") for s in states)          # live progress with ETA
     assert final["loss"] is not None and final["dev"] is not None           # live loss and dev curves
     assert final["task"] == ("cb", "")

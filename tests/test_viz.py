@@ -16,6 +16,20 @@ def test_runs_table_rows_come_from_run_summaries():
     assert viz.runs_table([]) == ""
 
 
+def test_done_message_says_what_the_run_answered_and_what_one_label_everywhere_scores():
+    counts = {"True": {"True": 561, "False": 22}, "False": {"True": 381, "False": 17}}   # BoolQ-like: 'True' mostly
+    summary = {"stopped_by": "early_stopping", "steps": 1200, "train_seconds": 5082.0, "best_step": 700,
+               "n_test": 981, "test": {"accuracy": 578 / 981}, "n_trainable": 17280, "backbone_params": 134515008,
+               "data": "full splits", "test_counts": counts}
+    text = viz.summary_markdown(summary)
+    assert text.startswith("**Done** (early_stopping): 1200 steps in 5082 s, best dev at step 700.")
+    assert ("What it answered on the test split, gold label (how many) → answers: True (583) → 561 True, 22 False; "
+            "False (398) → 381 True, 17 False.") in text
+    assert text.endswith(" Always answering 'True' would score 59.4 % accuracy here.")   # 583 / 981
+    assert "Always answering" not in viz.summary_markdown({**summary, "test": {"f1a": 0.4}})   # accuracy only
+    assert viz.summary_markdown({k: v for k, v in summary.items() if k != "test_counts"}).endswith("full splits.")
+
+
 def test_watch_runs_the_job_in_the_callers_context_and_reports_its_events():
     """TrainingCurves.watch: the job sees the caller's context variables (ZeroGPU reads the Gradio request, hence
     whose quota, from one), its step events feed the curves, and an exception ends the run as an error event."""

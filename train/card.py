@@ -33,6 +33,7 @@ from capt.files import atomic_folder
 from capt.methods import TRAINABLE
 from capt.training import DEFAULT_LR, TrainConfig, compare_metric_keys, metric_cell, percent, saved_config
 from capt.training import _mean_std as seeds_mean_std   # metric -> mean, metric_std -> population std
+from capt.viz import counts_text
 
 
 def _primary(row: dict) -> str:
@@ -244,9 +245,7 @@ def _counts_note(counts: dict, n_test: int) -> str:
     """The card's line on what each method answered: gold label (its count) -> predicted label counts."""
     def one(m: str, c: dict) -> str:
         seed = f", seed {c['seed']}" + (" (shipped)" if m == "capt" else "") if c["seed"] is not None else ""
-        per_gold = "; ".join(f"{g} ({sum(row.values())}) → " + ", ".join(f"{n} {p}" for p, n in row.items())
-                             for g, row in c["counts"].items())
-        return f"{m}{seed}: {per_gold}"
+        return f"{m}{seed}: {counts_text(c['counts'])}"
     return (f"What each method answered on the {n_test} test examples, gold label (how many) → predicted labels"
             f"{' (several seeds: the seed best on dev)' if any(c['seed'] is not None for c in counts.values()) else ''}"
             ". " + ". ".join(one(m, c) for m, c in counts.items()) + ".")
