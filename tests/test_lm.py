@@ -1,0 +1,161 @@
+"""capt.lm: a capsule trained with the backbone's language-modelling loss, in a plain loop or transformers' Trainer."""
+import pytest
+import torch
+
+import capt
+from capt.lm import CapsuleLM, lm_loss, prompt_mask
+from capt.scoring import pad
+from capt.tasks import Rendered
+from conftest import ARCHS, OPTIONS, random_capsule, tiny
+
+PAIRS = [("the cat sat on the", " mat by the door"), ("a much longer prompt about dogs and the cats of", " town")]
+DECODERS = [a for a in ARCHS if a != "tiny-t5"]
+LM_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "linear"}
+
+
+def batch(bb, pairs, side="right"):
+    """input_ids, attention_mask, labels for prompt + answer pairs: decoder-only, the answer scored in place;
+    T5: the prompt into the encoder, the answer (with its EOS) as the target."""
+    tok = bb.tokenizer
+    if bb.encoder_decoder:
+        ids, mask = pad([tok(p)["input_ids"] for p, _ in pairs], tok.pad_token_id)
+        tgt, tmask = pad([tok(a)["input_ids"] for _, a in pairs], tok.pad_token_id)
+        return ids, mask, tgt.masked_fill(tmask == 0, -100)
+    seqs = [(tok(p)["input_ids"], tok(a, add_special_tokens=False)["input_ids"]) for p, a in pairs]
+    ids, mask = pad([p + a for p, a in seqs], tok.pad_token_id, side)
+    labels = torch.full_like(ids, -100)
+    for i, (p, a) in enumerate(seqs):
+        end = ids.shape[1] if side == "left" else len(p) + len(a)
+        labels[i, end - len(a):end] = torch.tensor(a)
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_without_a_capsule_it_is_the_backbones_own_loss(arch):
+    bb = tiny(arch)
+    ids, mask, labels = batch(bb, PAIRS)
+    ours = lm_loss(bb, None, ids, mask, labels)
+    with torch.no_grad():
+        theirs = bb.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert ours.loss.item() == pytest.approx(theirs.item(), rel=1e-5)
+    assert ours.n_scored == int((labels != -100).sum())
+
+
+@pytest.mark.parametrize("option", LM_OPTIONS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_loss_is_the_answers_log_probability_as_classification_scores_it(arch, option):
+    """Per token, lm_loss on prompt + answer is minus capt.score's log-probability of the answer as a label
+    continuation (an independent path: its instance mean over the prompt alone), batched and padded on either
+    side; and with return_logits the same loss."""
+    bb = tiny(arch)
+    capsule = random_capsule(bb, **LM_OPTIONS[option])
+    for side in ("right",) if bb.encoder_decoder else ("right", "left"):
+        ids, mask, labels = batch(bb, PAIRS, side)
+        out = lm_loss(bb, capsule, ids, mask, labels)
+        with torch.no_grad():
+            logp = torch.cat([capt.score(bb, capsule, [Rendered(p, (a,), 0)]).logits[0] for p, a in PAIRS])
+        assert out.loss.item() == pytest.approx(-logp.sum().item() / out.n_scored, rel=1e-4, abs=1e-6), side
+        full = lm_loss(bb, capsule, ids, mask, labels, return_logits=True)
+        assert full.loss.item() == pytest.approx(out.loss.item(), rel=1e-5)
+        assert full.logits.shape[:2] == labels.shape
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_no_prediction_sees_the_token_it_predicts(arch):
+    """Position t's logits do not change when any token after t changes: the capsule in front of every token
+    reads the prompt alone. An instance mask that reaches the answer is refused, as it would leak it."""
+    bb = tiny(arch)
+    capsule = random_capsule(bb)
+    ids, mask, labels = batch(bb, PAIRS[:1])
+    ref = lm_loss(bb, capsule, ids, mask, labels, return_logits=True).logits
+    answer = (labels[0] != -100).nonzero()[:, 0].tolist()
+    for q in answer:
+        changed = ids.clone()
+        changed[0, q] = (changed[0, q] + 7) % bb.model.config.vocab_size
+        logits = lm_loss(bb, capsule, changed, mask, labels, return_logits=True).logits
+        assert torch.equal(logits[0, :q], ref[0, :q]), q
+        assert not torch.equal(logits[0, q:], ref[0, q:])
+    with pytest.raises(capt.CaptError, match="reaches a scored token in row"):
+        lm_loss(bb, capsule, ids, mask, labels, instance_mask=mask)
+    assert prompt_mask(labels, mask)[0].tolist() == [i < answer[0] for i in range(ids.shape[1])]
+
+
+@pytest.mark.parametrize("option", ["default", "prepend", "inplace", "odd"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_what_it_trains_is_what_generate_continues(arch, option):
+    """Teacher-forced on capt.generate's own greedy continuation, the loss's logits pick that continuation
+    token for token: training and generation give the capsule the same instance mean (the prompt's)."""
+    bb = tiny(arch)
+    capsule = random_capsule(bb, **LM_OPTIONS[option])
+    prompt = PAIRS[1][0]
+    new = capt.generate(bb, prompt, capsule=capsule, max_new_tokens=4, min_new_tokens=4).token_ids
+    tok = bb.tokenizer
+    if bb.encoder_decoder:
+        ids, target = torch.tensor([tok(prompt)["input_ids"]]), torch.tensor([new])
+    else:
+        p = tok(prompt)["input_ids"]
+        ids = torch.tensor([p + new])
+        target = torch.tensor([[-100] * len(p) + new])
+    logits = lm_loss(bb, capsule, ids, torch.ones_like(ids), target, return_logits=True).logits[0]
+    picked = logits.argmax(-1).tolist()
+    assert (picked if bb.encoder_decoder else picked[len(ids[0]) - len(new) - 1:-1]) == new
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_gradients_reach_the_capsule_only(arch):
+    bb = tiny(arch)
+    capsule = random_capsule(bb)
+    lm_loss(bb, capsule, *batch(bb, PAIRS)).loss.backward()
+    assert capsule.weight.grad is not None and capsule.weight.grad.abs().sum() > 0
+    assert all(p.grad is None and not p.requires_grad for p in bb.model.parameters())
+
+
+def test_bad_input_is_refused_with_what_is_valid():
+    bb = tiny("tiny-llama")
+    ids, mask, labels = batch(bb, PAIRS)
+    cases = [
+        (dict(labels=None), "labels are needed"),
+        (dict(labels=torch.full_like(labels, -100)), "no token to learn"),
+        (dict(labels=labels[:, :-1]), "labels must have input_ids' shape"),
+        (dict(attention_mask=mask[:, :-1]), "attention_mask .* must have input_ids' shape"),
+        (dict(input_ids=ids[0]), r"input_ids must be a \(batch, length\) tensor"),
+        (dict(capsule=random_capsule(bb, head="linear")), "head='verbalizer'"),
+        (dict(input_ids=ids.repeat(1, 200), attention_mask=mask.repeat(1, 200), labels=labels.repeat(1, 200)),
+         "exceed the backbone's limit"),
+    ]
+    for change, message in cases:
+        args = {**dict(capsule=random_capsule(bb), input_ids=ids, attention_mask=mask, labels=labels), **change}
+        with pytest.raises(capt.CaptError, match=message):
+            lm_loss(bb, **args)
+    first_only = torch.full_like(labels, -100)
+    first_only[:, 0] = ids[:, 0]                    # a row's first token: nothing before it to predict it
+    with pytest.raises(capt.CaptError, match="no token to learn"):
+        lm_loss(bb, None, ids, mask, first_only)
+
+
+def test_transformers_trainer_trains_the_capsule_alone(tmp_path):
+    """CapsuleLM under transformers' Trainer: a few dozen steps on a task the capsule can learn (answer the
+    prompt's first word, which random prompts make impossible without it) lower the loss; only the capsule
+    is trained and checkpointed; saved as a capsule folder it loads and gives the same loss."""
+    from transformers import Trainer, TrainingArguments
+
+    bb = tiny("tiny-llama")
+    g = torch.Generator().manual_seed(0)
+    words = ["cat", "dog", "sun", "tree"]
+    pairs = [(" ".join(words[i] for i in torch.randint(4, (6,), generator=g).tolist()), " the end")
+             for _ in range(32)]
+    ids, mask, labels = batch(bb, pairs)
+    data = [dict(input_ids=ids[i], attention_mask=mask[i], labels=labels[i]) for i in range(len(pairs))]
+    model = CapsuleLM(bb, seed=0)
+    assert [n for n, _ in model.named_parameters()] == ["capsule.weight"]
+    before = lm_loss(bb, model.capsule, ids, mask, labels).loss.item()
+    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=8, max_steps=24,
+                             learning_rate=3e-2, lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=4, seed=0, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data).train()
+    after = lm_loss(bb, model.capsule, ids, mask, labels).loss.item()
+    assert after < 0.9 * before, (before, after)
+    assert list(model.state_dict()) == ["capsule.weight"]
+    folder = model.save(tmp_path / "lm-capsule")
+    loaded, task = capt.load_capsule(folder, bb)
+    assert task is None and lm_loss(bb, loaded, ids, mask, labels).loss.item() == pytest.approx(after, rel=1e-6)
