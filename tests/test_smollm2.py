@@ -129,6 +129,26 @@ def test_generation_on_the_real_model(smol):
     assert got.token_ids == _cut(_reference(smol, capsule, text, 4), _eos(smol)) and got.text.strip()
 
 
+def test_lm_loss_on_the_real_model(smol):
+    """capt.lm_loss on SmolLM2: without a capsule transformers' own loss; with the shipped CB capsule, per token,
+    minus capt.score's log-probability of the answer as a label continuation (tests/test_lm.py)."""
+    from pathlib import Path
+
+    from test_lm import batch
+
+    pairs = [("Question: what is the capital of France? Answer:", " Paris."), ("Two plus two is", " four")]
+    ids, mask, labels = batch(smol, pairs)
+    ours = capt.lm_loss(smol, None, ids, mask, labels)
+    with torch.no_grad():
+        assert ours.loss.item() == pytest.approx(smol.model(input_ids=ids, attention_mask=mask,
+                                                            labels=labels).loss.item(), rel=1e-5)
+    capsule, _ = capt.load_capsule(Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m" / "cb", smol)
+    out = capt.lm_loss(smol, capsule, ids, mask, labels)
+    with torch.no_grad():
+        logp = torch.cat([score(smol, capsule, [capt.Rendered(p, (a,), 0)]).logits[0] for p, a in pairs])
+    assert out.loss.item() == pytest.approx(-logp.sum().item() / out.n_scored, rel=1e-4)
+
+
 def test_shipped_capsules_load_and_reproduce_their_cards(smol):
     """Every shipped capsule loads on its backbone, predicts, and its saved metrics are the card's."""
     import shlex
