@@ -5,8 +5,8 @@ under a minute; SmolLM2 is never loaded here.
 """
 import csv
 import json
-import re
 import os
+import re
 import zipfile
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no telemetry or version checks

@@ -18,11 +18,11 @@ def test_runs_table_rows_come_from_run_summaries():
 
 def test_done_message_says_what_the_run_answered_and_what_one_label_everywhere_scores():
     counts = {"True": {"True": 561, "False": 22}, "False": {"True": 381, "False": 17}}   # BoolQ-like: 'True' mostly
-    summary = {"stopped_by": "early_stopping", "steps": 1200, "train_seconds": 5082.0, "best_step": 700,
+    summary = {"stopped_by": "early stopping", "steps": 1200, "train_seconds": 5082.0, "best_step": 700,
                "n_test": 981, "test": {"accuracy": 578 / 981}, "n_trainable": 17280, "backbone_params": 134515008,
                "data": "full splits", "test_counts": counts}
     text = viz.summary_markdown(summary)
-    assert text.startswith("**Done** (early_stopping): 1200 steps in 5082 s, best dev at step 700.")
+    assert text.startswith("**Done** (early stopping): 1200 steps in 5082 s, best dev at step 700.")
     assert ("What it answered on the test split, gold label (how many) → answers: True (583) → 561 True, 22 False; "
             "False (398) → 381 True, 17 False.") in text
     assert text.endswith(" Always answering 'True' would score 59.4 % accuracy here.")   # 583 / 981
