@@ -138,7 +138,7 @@ class CapsuleLM(nn.Module):
     """A capsule as a model transformers' Trainer (or any PyTorch loop) trains: `forward(input_ids,
     attention_mask, labels)` returns {"loss": ...} from `lm_loss`. The backbone is frozen and kept outside the
     module's parameters, so `parameters()`, `state_dict()` and Trainer's checkpoints hold the capsule alone;
-    `save(folder)` writes an ordinary capsule folder (`capt.load_capsule`, `capt.generate`)."""
+    `save(folder)` writes an ordinary capsule folder (`capt.load_capsule`); `generate` is `capt.generate` with it."""
 
     def __init__(self, backbone: Backbone, capsule: Capsule | None = None, config: CapsuleConfig | None = None,
                  seed: int | None = 0):
@@ -154,3 +154,8 @@ class CapsuleLM(nn.Module):
     def save(self, folder, training: dict | None = None):
         from .io import save_capsule
         return save_capsule(self.capsule, folder, self.backbone, None, training=training)
+
+    def generate(self, prompts, max_new_tokens: int = 32, **generate_kwargs):
+        """`capt.generate` with this capsule: the backbone's continuation of each prompt."""
+        from .generation import generate
+        return generate(self.backbone, prompts, self.capsule, max_new_tokens, **generate_kwargs)

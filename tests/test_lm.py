@@ -159,3 +159,4 @@ def test_transformers_trainer_trains_the_capsule_alone(tmp_path):
     folder = model.save(tmp_path / "lm-capsule")
     loaded, task = capt.load_capsule(folder, bb)
     assert task is None and lm_loss(bb, loaded, ids, mask, labels).loss.item() == pytest.approx(after, rel=1e-6)
+    assert model.generate(pairs[0][0], max_new_tokens=3) == capt.generate(bb, pairs[0][0], loaded, max_new_tokens=3)
