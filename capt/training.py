@@ -341,15 +341,18 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
 
     params = [p for p in method.parameters() if p.requires_grad]
     state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
-             "best_step": 0, "stopped_by": None, "best_dev": None}
+             "best_step": 0, "stopped_by": None, "best_dev": None, "code": summary["code"]}
     best_params = {k: v.detach().clone() for k, v in method.state_dict().items()}
     if cfg.method in TRAINABLE:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         if resume and run.dir and (run.dir / "checkpoint" / "state.json").exists():
+            del state["code"]
             best_params = _load_checkpoint(run.dir / "checkpoint", method, optimizer, state, cfg)
+            # which code and machine trained the steps so far (a checkpoint keeps its writer's), and which go on
+            written_by, state["code"] = state.pop("code", None), summary["code"]
             dropped = run.rewind(state["step"])
             run.log({"kind": "resume", "step": state["step"], "elapsed_s": round(state["elapsed"], 1),
-                     "dropped_records": dropped})
+                     "dropped_records": dropped, "code": summary["code"], "checkpoint_code": written_by})
         _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_params, emit, stop, progress, key)
         method.load_state_dict(best_params)
     else:

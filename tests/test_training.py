@@ -170,6 +170,9 @@ def test_resume_continues_where_it_stopped(toy_csv, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if k.startswith("param/"))
     log = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
+    (res,) = [r for r in log if r["kind"] == "resume"]   # which code and machine trained before and after it
+    assert res["code"] == res["checkpoint_code"] == json.loads(json.dumps(resumed["code"]))
+    assert {"commit", "torch", "threads", "machine"} <= set(res["code"]) and res["code"]["machine"]["cpu"]
 
 
 def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
@@ -187,11 +190,14 @@ def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
     assert [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3]
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "step", "st')   # a line the kill cut short
+    state = tmp_path / "run" / "checkpoint" / "state.json"
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "code"}))  # older
     assert train(cfg, resume=True, progress=False)["steps"] == 6
     log = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 7))
     assert [r["step"] for r in log if r["kind"] == "eval"] == [2, 4, 6]
-    assert [(r["step"], r["dropped_records"]) for r in log if r["kind"] == "resume"] == [(2, 2)]
+    assert [(r["step"], r["dropped_records"], r["checkpoint_code"]) for r in log if r["kind"] == "resume"] == [
+        (2, 2, None)]   # a checkpoint from before they recorded their writer
     assert [r["kind"] for r in log].index("resume") == 3 and log[-1]["kind"] == "done"
 
 
