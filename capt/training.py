@@ -341,15 +341,17 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
 
     params = [p for p in method.parameters() if p.requires_grad]
     state = {"step": 0, "epoch": 0, "batch": 0, "best": -math.inf, "bad_evals": 0, "elapsed": 0.0,
-             "best_step": 0, "stopped_by": None, "best_dev": None, "code": summary["code"]}
+             "best_step": 0, "stopped_by": None, "best_dev": None,
+             "trained_on": [{"from_step": 0, "code": summary["code"]}]}   # which code and machine ran which steps
     best_params = {k: v.detach().clone() for k, v in method.state_dict().items()}
     if cfg.method in TRAINABLE:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         if resume and run.dir and (run.dir / "checkpoint" / "state.json").exists():
-            del state["code"]
+            state["trained_on"] = [{"from_step": 0, "code": None}]   # what a checkpoint from before it knew
             best_params = _load_checkpoint(run.dir / "checkpoint", method, optimizer, state, cfg)
-            # which code and machine trained the steps so far (a checkpoint keeps its writer's), and which go on
-            written_by, state["code"] = state.pop("code", None), summary["code"]
+            written_by = state["trained_on"][-1]["code"]
+            state["trained_on"] = state["trained_on"] + [{"from_step": state["step"], "from_seconds":
+                                                          round(state["elapsed"], 1), "code": summary["code"]}]
             dropped = run.rewind(state["step"])
             run.log({"kind": "resume", "step": state["step"], "elapsed_s": round(state["elapsed"], 1),
                      "dropped_records": dropped, "code": summary["code"], "checkpoint_code": written_by})
@@ -362,6 +364,7 @@ def train(cfg: TrainConfig, backbone: Backbone | None = None, callback: Callable
     # the kept state's dev metrics were measured when it was kept; only untrained methods need a pass
     dev = state["best_dev"] or evaluate(method, data.dev, accelerator=accelerator)
     summary.update(steps=state["step"], best_step=state["best_step"], stopped_by=state["stopped_by"],
+                   trained_on=state["trained_on"],
                    train_seconds=round(state["elapsed"], 1), wall_seconds=round(time.time() - started, 1),
                    dev=dev, test=test, test_counts=test_counts)
     if run.dir:

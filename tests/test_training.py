@@ -173,6 +173,33 @@ def test_resume_continues_where_it_stopped(toy_csv, tmp_path):
     (res,) = [r for r in log if r["kind"] == "resume"]   # which code and machine trained before and after it
     assert res["code"] == res["checkpoint_code"] == json.loads(json.dumps(resumed["code"]))
     assert {"commit", "torch", "threads", "machine"} <= set(res["code"]) and res["code"]["machine"]["cpu"]
+    assert resumed["trained_on"] == [{"from_step": 0, "code": res["code"]},
+                                     {"from_step": 4, "from_seconds": res["elapsed_s"], "code": res["code"]}]
+    assert straight["trained_on"] == [{"from_step": 0, "code": straight["code"]}]
+
+
+def test_a_card_says_which_steps_ran_on_which_machine():
+    """A run resumed on another machine: the card's Training line names each machine with its steps and seconds
+    (from the summary's trained_on); parts on one machine read as one; one machine reads as before."""
+    import train.card as card_module
+
+    def code(cpu):
+        return {"torch": "2.13.0+cpu", "machine": {"cores": 2, "cpu": cpu, "isa": "AVX512", "gpu": None}}
+    xeon, epyc = code("Intel Xeon"), code("AMD EPYC")
+    summary = {"steps": 1200, "train_seconds": 5000.0, "code": epyc, "trained_on": [
+        {"from_step": 0, "code": xeon}, {"from_step": 350, "from_seconds": 1200.0, "code": xeon},
+        {"from_step": 600, "from_seconds": 2000.0, "code": epyc}]}
+    assert card_module._where_trained(summary) == (
+        "2 machines in turn (resumed from checkpoints): steps 0-600 (2000 s) on 2 CPU cores (Intel Xeon, AVX512), "
+        "torch 2.13.0+cpu, no GPU; steps 600-1200 (3000 s) on 2 CPU cores (AMD EPYC, AVX512), torch 2.13.0+cpu, "
+        "no GPU")
+    one = {**summary, "code": xeon, "trained_on": summary["trained_on"][:2]}
+    assert card_module._where_trained(one) == card_module._machine(one) == (
+        "2 CPU cores (Intel Xeon, AVX512), torch 2.13.0+cpu, no GPU")
+    unknown = {**summary, "trained_on": [{"from_step": 0, "code": None}] + summary["trained_on"][2:]}
+    assert card_module._where_trained(unknown).startswith(
+        "2 machines in turn (resumed from checkpoints): steps 0-600 (2000 s) on a machine its checkpoint did not "
+        "record; steps 600-1200 (3000 s) on 2 CPU cores (AMD EPYC")
 
 
 def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
@@ -191,13 +218,15 @@ def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "step", "st')   # a line the kill cut short
     state = tmp_path / "run" / "checkpoint" / "state.json"
-    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "code"}))  # older
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "trained_on"}))
     assert train(cfg, resume=True, progress=False)["steps"] == 6
     log = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 7))
     assert [r["step"] for r in log if r["kind"] == "eval"] == [2, 4, 6]
     assert [(r["step"], r["dropped_records"], r["checkpoint_code"]) for r in log if r["kind"] == "resume"] == [
-        (2, 2, None)]   # a checkpoint from before they recorded their writer
+        (2, 2, None)]   # a checkpoint from before they recorded their writer: steps 0-2 by unknown code
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [(s["from_step"], s["code"] is None) for s in summary["trained_on"]] == [(0, True), (2, False)]
     assert [r["kind"] for r in log].index("resume") == 3 and log[-1]["kind"] == "done"
 
 

@@ -136,7 +136,7 @@ capt.predict(bb, task, example, capsule=capsule)
   test examples.
 - Training: {summary['steps']} steps (best dev at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
   batch {cfg['batch_size']}, AdamW lr {cfg['lr'] if cfg['lr'] is not None else DEFAULT_LR[summary['method']]}, seed
-  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_machine(summary)}.{_seeds(summary, primary)}{_code(summary)}
+  {cfg['seed']}, {cfg['dtype']}; {summary['train_seconds']:.0f} s of training on {_where_trained(summary)}.{_seeds(summary, primary)}{_code(summary)}
 
 ## Test results (same split, same loop, `python -m train compare`)
 
@@ -451,6 +451,21 @@ def _machine(summary: dict) -> str:
             ", CUDA" if torch.cuda.is_available() else ", no GPU")
     return (f"{m['cores']} CPU cores ({m['cpu']}, {m['isa']}), torch {code['torch']}"
             + (f", GPU {m['gpu']}" if m["gpu"] else ", no GPU"))
+
+
+def _where_trained(summary: dict) -> str:
+    """`_machine`, or for a run resumed on other machines ("trained_on": each part's first step, seconds so far
+    and code) which steps and seconds ran where."""
+    parts = []
+    for seg in summary.get("trained_on") or []:
+        where = _machine({"code": seg["code"]}) if seg["code"] else "a machine its checkpoint did not record"
+        if not parts or parts[-1][2] != where:
+            parts.append((seg["from_step"], seg.get("from_seconds", 0.0), where))
+    if len(parts) < 2:
+        return _machine(summary)
+    ends = [(step, sec) for step, sec, _ in parts[1:]] + [(summary["steps"], summary["train_seconds"])]
+    return f"{len(parts)} machines in turn (resumed from checkpoints): " + "; ".join(
+        f"steps {step}-{end} ({end_s - sec:.0f} s) on {where}" for (step, sec, where), (end, end_s) in zip(parts, ends))
 
 
 def results_table(folder: Path) -> str:
