@@ -190,7 +190,7 @@ def test_a_card_says_which_steps_ran_on_which_machine():
         {"from_step": 0, "code": xeon}, {"from_step": 350, "from_seconds": 1200.0, "code": xeon},
         {"from_step": 600, "from_seconds": 2000.0, "code": epyc}]}
     assert card_module._where_trained(summary) == (
-        "2 machines in turn (resumed from checkpoints): steps 0-600 (2000 s) on 2 CPU cores (Intel Xeon, AVX512), "
+        "2 set-ups in turn (resumed from checkpoints): steps 0-600 (2000 s) on 2 CPU cores (Intel Xeon, AVX512), "
         "torch 2.13.0+cpu, no GPU; steps 600-1200 (3000 s) on 2 CPU cores (AMD EPYC, AVX512), torch 2.13.0+cpu, "
         "no GPU")
     one = {**summary, "code": xeon, "trained_on": summary["trained_on"][:2]}
@@ -198,7 +198,7 @@ def test_a_card_says_which_steps_ran_on_which_machine():
         "2 CPU cores (Intel Xeon, AVX512), torch 2.13.0+cpu, no GPU")
     unknown = {**summary, "trained_on": [{"from_step": 0, "code": None}] + summary["trained_on"][2:]}
     assert card_module._where_trained(unknown).startswith(
-        "2 machines in turn (resumed from checkpoints): steps 0-600 (2000 s) on a machine its checkpoint did not "
+        "2 set-ups in turn (resumed from checkpoints): steps 0-600 (2000 s) on a machine its checkpoint did not "
         "record; steps 600-1200 (3000 s) on 2 CPU cores (AMD EPYC")
 
 

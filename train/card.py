@@ -454,7 +454,7 @@ def _machine(summary: dict) -> str:
 
 
 def _where_trained(summary: dict) -> str:
-    """`_machine`, or for a run resumed on other machines ("trained_on": each part's first step, seconds so far
+    """`_machine`, or for a run resumed on another machine or torch ("trained_on": each part's first step, seconds so far
     and code) which steps and seconds ran where."""
     parts = []
     for seg in summary.get("trained_on") or []:
@@ -464,7 +464,7 @@ def _where_trained(summary: dict) -> str:
     if len(parts) < 2:
         return _machine(summary)
     ends = [(step, sec) for step, sec, _ in parts[1:]] + [(summary["steps"], summary["train_seconds"])]
-    return f"{len(parts)} machines in turn (resumed from checkpoints): " + "; ".join(
+    return f"{len(parts)} set-ups in turn (resumed from checkpoints): " + "; ".join(
         f"steps {step}-{end} ({end_s - sec:.0f} s) on {where}" for (step, sec, where), (end, end_s) in zip(parts, ends))
 
 
