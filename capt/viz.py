@@ -388,12 +388,19 @@ def answers_sentence(summary: dict) -> str:
     if not counts:
         return ""
     text = f" What it answered on the test split, gold label (how many) → answers: {counts_text(counts)}."
-    totals = {g: sum(row.values()) for g, row in counts.items()}
-    top = max(totals, key=totals.get)
-    if "accuracy" in summary["test"] and sum(totals.values()):
-        text += (f" Always answering '{top}' would score {100 * totals[top] / sum(totals.values()):.1f} % accuracy "
-                 f"here.")
+    if "accuracy" in summary["test"]:
+        text += one_label_sentence(counts)
     return text
+
+
+def one_label_sentence(counts: dict) -> str:
+    """' Always answering 'X' would score Y % accuracy here.' for the most frequent gold label of `counts`
+    (`capt.training.label_counts`): the bar a run that learned one answer reaches ('' when counts are empty)."""
+    totals = {g: sum(row.values()) for g, row in counts.items()}
+    if not sum(totals.values()):
+        return ""
+    top = max(totals, key=totals.get)
+    return f" Always answering '{top}' would score {100 * totals[top] / sum(totals.values()):.1f} % accuracy here."
 
 
 def run_row(summary: dict, when: str = "") -> dict:

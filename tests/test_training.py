@@ -100,6 +100,9 @@ def test_evaluate_scores_a_saved_capsule_again_as_training_did(tmp_path, capsys)
     assert result["counts"] == summary["test_counts"] and result["command"].startswith("python -m train evaluate")
     for gold, row in result["counts"].items():
         assert f"| {gold} ({sum(row.values())}) | " + " | ".join(map(str, row.values())) + " |" in printed
+    totals = {g: sum(row.values()) for g, row in result["counts"].items()}   # the bar of one answer everywhere
+    top = max(totals, key=totals.get)
+    assert f"saved. Always answering '{top}' would score {10 * totals[top]:.1f} % accuracy here.\n" in printed
     dev = evaluate_capsule(folder, "dev", bb)   # the kept state's dev metrics, measured when it was kept
     assert dev["n"] == 8 and dev["metrics"] == summary["dev"] and dev["same_as_recorded"] is True
     assert cli(["evaluate", "--capsule", str(tmp_path)]) == 2

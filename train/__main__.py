@@ -28,6 +28,7 @@ from capt.io import load_capsule, read_config
 from capt.methods import METHODS, OPTION_USERS, TRAINABLE
 from capt.tasks import TASKS, get_task
 from capt.training import Run, TrainConfig, compare, evaluate_capsule, format_table, percent, train_seeds
+from capt.viz import one_label_sentence
 
 
 def _pairs(items: list[str] | None, what: str) -> dict | None:
@@ -210,7 +211,8 @@ def evaluate(argv: list[str]) -> int:
                    f"{k} {100 * v:.1f} %" for k, v in (result["recorded"] or {}).items()
                    if not k.endswith("_std")) + " (other code, thread count or CPU)"}[result["same_as_recorded"]]
     where = f"{result['n']} examples; {result['data'].rstrip('.')}"
-    print(f"{args.capsule} on {result['task']} {args.split} ({where}): {scores}; {verdict}\n\n"
+    bar = one_label_sentence(result["counts"]) if "accuracy" in result["metrics"] else ""
+    print(f"{args.capsule} on {result['task']} {args.split} ({where}): {scores}; {verdict}.{bar}\n\n"
           f"{counts_table(result['counts'])}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
