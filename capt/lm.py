@@ -55,7 +55,10 @@ def lm_loss(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor
     token (which would let it see the answer) is refused.
     """
     input_ids, attention_mask = _check_inputs(backbone, capsule, input_ids, attention_mask, labels)
-    labels = labels.to(input_ids.device)
+    if instance_mask is not None and instance_mask.shape != input_ids.shape:
+        raise CaptError(f"instance_mask {tuple(instance_mask.shape)} must have input_ids' shape "
+                        f"{tuple(input_ids.shape)}")
+    labels = labels.to(input_ids.device).long()
     if backbone.encoder_decoder:
         dec_in = backbone.model._shift_right(labels)                       # start token in front, -100 -> pad
         out, _ = run(backbone, capsule, input_ids, attention_mask, instance_mask, decoder_input_ids=dec_in)

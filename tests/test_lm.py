@@ -119,6 +119,7 @@ def test_bad_input_is_refused_with_what_is_valid():
         (dict(labels=labels[:, :-1]), "labels must have input_ids' shape"),
         (dict(attention_mask=mask[:, :-1]), "attention_mask .* must have input_ids' shape"),
         (dict(input_ids=ids[0]), r"input_ids must be a \(batch, length\) tensor"),
+        (dict(instance_mask=mask[:, 1:]), "instance_mask .* must have input_ids' shape"),
         (dict(capsule=random_capsule(bb, head="linear")), "head='verbalizer'"),
         (dict(input_ids=ids.repeat(1, 200), attention_mask=mask.repeat(1, 200), labels=labels.repeat(1, 200)),
          "exceed the backbone's limit"),
