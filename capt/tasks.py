@@ -313,6 +313,28 @@ def load_file(path, task: Task, columns: dict[str, str] | None = None,
     task field to the file's column name where they differ; `label_column=None` reads unlabeled data.
     A "group" column, if present, is kept (MultiRC-style exact match); "idx" defaults to the row number."""
     path = Path(path)
+    columns = {**{f: f for f in task.fields}, **(columns or {})}
+    records = read_records(path, [columns[f] for f in task.fields] + ([label_column] if label_column else []))
+    examples = []
+    for row, record in enumerate(records, start=1):
+        record = {**record, **{f: record[columns[f]] for f in task.fields}}
+        try:
+            if label_column and record[label_column] is None:
+                raise CaptError(f"the {label_column!r} value is empty")
+            example = _normalize(task, record, record[label_column] if label_column else None,
+                                 record.get("idx", row - 1), record.get("group"))
+            for f in task.fields:
+                task._text(example, f)  # fail here, with the row number, rather than at render time
+        except CaptError as e:
+            raise CaptError(f"{path.name} row {row}: {e}") from e
+        examples.append(example)
+    return examples
+
+
+def read_records(path, needed: list[str]) -> list[dict]:
+    """The rows of a user's CSV, JSONL or JSON (a list of records) file, as dicts; a clear message for a file
+    that is missing, empty, unreadable or lacks one of the `needed` columns."""
+    path = Path(path)
     kind = {".csv": "csv", ".jsonl": "json", ".json": "json"}.get(path.suffix.lower())
     if kind is None:
         raise CaptError(f"cannot read {path.name}: use a .csv, .jsonl or .json file")
@@ -326,22 +348,7 @@ def load_file(path, task: Task, columns: dict[str, str] | None = None,
         records = datasets.load_dataset(kind, data_files=str(path), split="train")
     except Exception as e:  # parse errors come from pandas, pyarrow or json, each with its own types
         raise CaptError(f"could not read {path} as {path.suffix[1:]}: {e}") from e
-    columns = {**{f: f for f in task.fields}, **(columns or {})}
-    needed = [columns[f] for f in task.fields] + ([label_column] if label_column else [])
     missing = [c for c in needed if c not in records.column_names]
     if missing:
         raise CaptError(f"{path.name} lacks columns {missing}; it has: {', '.join(records.column_names)}")
-    examples = []
-    for row, record in enumerate(records.to_list(), start=1):
-        record = {**record, **{f: record[columns[f]] for f in task.fields}}
-        try:
-            if label_column and record[label_column] is None:
-                raise CaptError(f"the {label_column!r} value is empty")
-            example = _normalize(task, record, record[label_column] if label_column else None,
-                                 record.get("idx", row - 1), record.get("group"))
-            for f in task.fields:
-                task._text(example, f)  # fail here, with the row number, rather than at render time
-        except CaptError as e:
-            raise CaptError(f"{path.name} row {row}: {e}") from e
-        examples.append(example)
-    return examples
+    return records.to_list()
