@@ -1,4 +1,6 @@
 """capt.lm: a capsule trained with the backbone's language-modelling loss, in a plain loop or transformers' Trainer."""
+import re
+
 import pytest
 import torch
 
@@ -161,3 +163,41 @@ def test_transformers_trainer_trains_the_capsule_alone(tmp_path):
     loaded, task = capt.load_capsule(folder, bb)
     assert task is None and lm_loss(bb, loaded, ids, mask, labels).loss.item() == pytest.approx(after, rel=1e-6)
     assert model.generate(pairs[0][0], max_new_tokens=3) == capt.generate(bb, pairs[0][0], loaded, max_new_tokens=3)
+
+
+def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys):
+    """`python -m train.lm`: prompt/completion rows -> a capsule folder and a summary (Trainer underneath, dev
+    loss picks the capsule); --resume goes on from the last checkpoint; bad input is a message, exit 2."""
+    import json
+
+    from train.lm import Collator, encode, main, split
+
+    g = torch.Generator().manual_seed(0)
+    words = ["cat", "dog", "sun", "tree"]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"q": " ".join(words[i] for i in torch.randint(4, (5,), generator=g).tolist()),
+                                        "a": " the end"}) + "\n" for _ in range(20)))
+    out = tmp_path / "run"
+    common = ["--data-file", str(data), "--prompt-field", "q", "--completion-field", "a", "--backbone", "tiny-llama",
+              "--eval-every", "3", "--batch-size", "4", "--out", str(out)]
+    assert main(common + ["--max-steps", "6"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["n_train"], summary["n_dev"]) == (6, 18, 2)
+    assert sorted(summary["dev_losses"]) == ["3", "6"] and summary["best_dev_loss"] == min(summary["dev_losses"].values())
+    bb = tiny("tiny-llama")
+    capsule, task = capt.load_capsule(out / "capsule", bb)
+    assert task is None and capsule.meta["training"]["best_step"] == summary["best_step"]
+    rows = [encode(bb, 1, r["q"], r["a"]) for r in map(json.loads, data.read_text().splitlines())]
+    dev = Collator(bb.tokenizer.pad_token_id)(split(rows, 0)[1])   # one eval batch: Trainer's eval_loss is its loss
+    with torch.no_grad():   # the capsule kept is the one with the best dev loss
+        assert lm_loss(bb, capsule, **dev).loss.item() == pytest.approx(summary["best_dev_loss"], rel=1e-5)
+    assert main(common + ["--max-steps", "6"]) == 2   # the folder holds a run
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(common + ["--max-steps", "9", "--resume"]) == 0
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["steps"] == 9 and sorted(resumed["dev_losses"]) == ["3", "6", "9"]   # Trainer's log goes on
+    for change, message in [(["--completion-field", "answer"], r"lacks columns \['answer'\]"),
+                            (["--lr", "0"], "out of range: --lr 0.0"),
+                            (["--max-steps", "0"], "out of range: --max-steps 0")]:
+        assert main(common[:-1] + [str(tmp_path / "other")] + change) == 2
+        assert re.search(message, capsys.readouterr().err), change
