@@ -201,3 +201,30 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
                             (["--max-steps", "0"], "out of range: --max-steps 0")]:
         assert main(common[:-1] + [str(tmp_path / "other")] + change) == 2
         assert re.search(message, capsys.readouterr().err), change
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_the_lm_cli_batches_are_what_transformers_scores(arch):
+    """train.lm's rows and batches: the completion (and an EOS after it) scored, the prompt and pads not; without
+    a capsule their loss is transformers' own; a long prompt is cut to fit, the completion never."""
+    from train.lm import Collator, encode
+
+    bb = tiny(arch)
+    rows = [encode(bb, 1, p, a) for p, a in PAIRS]
+    batch = Collator(bb.tokenizer.pad_token_id)(rows)
+    eos = bb.tokenizer.eos_token_id
+    for r, (p, a) in zip(rows, PAIRS):
+        scored = [t for t in r["labels"] if t != -100]
+        assert scored[-1] == eos and bb.tokenizer.decode(scored[:-1]).strip() == a.strip()
+    with torch.no_grad():
+        assert lm_loss(bb, None, **batch).loss.item() == pytest.approx(bb.model(**batch).loss.item(), rel=1e-5)
+    long = encode(bb, 1, " ".join(["word"] * 2 * bb.max_length), " the end")
+    assert len(long["input_ids"]) == bb.max_length - 1   # room for the capsule's slot
+    short = encode(bb, 1, "a prompt", " the end")
+    scored = [t for t in short["labels"] if t != -100]
+    assert [t for t in long["labels"] if t != -100] == scored and long["labels"][-len(scored):] == scored
+    if not bb.encoder_decoder:
+        if short["input_ids"][0] == bb.tokenizer.bos_token_id:   # the prompt lost its start, not its BOS
+            assert long["input_ids"][0] == short["input_ids"][0]
+        with pytest.raises(capt.CaptError, match="leaves no room for its prompt"):
+            encode(bb, 1, "a prompt", " word" * bb.max_length)

@@ -83,13 +83,14 @@ def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str
 
 def encode(bb: Backbone, capsule_slots: int, prompt: str, completion: str) -> dict:
     """One row: decoder-only, prompt + completion + EOS with the prompt's labels -100 (a long prompt loses its
-    start, keeping a BOS); T5, the prompt for the encoder and the completion (with its EOS) as the target."""
+    start, keeping a BOS); T5, the prompt for the encoder and the completion with an EOS as the target."""
     tok = bb.tokenizer
     limit = bb.max_length - capsule_slots
     if bb.encoder_decoder:
         ids = tok(prompt)["input_ids"]
         ids = ids[:limit - 1] + ids[-1:] if len(ids) > limit else ids
-        return {"input_ids": ids, "labels": tok(completion)["input_ids"]}
+        target = tok(completion)["input_ids"]
+        return {"input_ids": ids, "labels": target if target[-1:] == [tok.eos_token_id] else target + [tok.eos_token_id]}
     p = tok(prompt)["input_ids"]
     c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     if len(c) >= limit:
