@@ -183,7 +183,8 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
     assert main(common + ["--max-steps", "6"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["n_train"], summary["n_dev"]) == (6, 18, 2)
-    assert sorted(summary["dev_losses"]) == ["3", "6"] and summary["best_dev_loss"] == min(summary["dev_losses"].values())
+    assert sorted(summary["dev_losses"]) == ["3", "6"]
+    assert summary["best_dev_loss"] == min(summary["dev_losses"].values())
     bb = tiny("tiny-llama")
     capsule, task = capt.load_capsule(out / "capsule", bb)
     assert task is None and capsule.meta["training"]["best_step"] == summary["best_step"]

@@ -90,7 +90,8 @@ def encode(bb: Backbone, capsule_slots: int, prompt: str, completion: str) -> di
         ids = tok(prompt)["input_ids"]
         ids = ids[:limit - 1] + ids[-1:] if len(ids) > limit else ids
         target = tok(completion)["input_ids"]
-        return {"input_ids": ids, "labels": target if target[-1:] == [tok.eos_token_id] else target + [tok.eos_token_id]}
+        eos = [] if target[-1:] == [tok.eos_token_id] else [tok.eos_token_id]
+        return {"input_ids": ids, "labels": target + eos}
     p = tok(prompt)["input_ids"]
     c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     if len(c) >= limit:
