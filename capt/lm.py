@@ -49,7 +49,8 @@ def lm_loss(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor
     backbone, equal to transformers' own loss). Differentiable w.r.t. the capsule; the backbone stays frozen.
 
     input_ids, attention_mask: (B, T), either padding side. labels: decoder-only (B, T) aligned with
-    input_ids, -100 where not scored (a row's first real token is never scored: nothing real precedes it);
+    input_ids, -100 where not scored (padding and a row's first real token are never scored: nothing real
+    precedes the latter);
     T5: (B, T_dec) the target, decoded from the capsule-carrying encoder output. instance_mask (B, T): the
     tokens whose mean the capsule reads; by default the prompt (`prompt_mask`); one that reaches a scored
     token (which would let it see the answer) is refused.
@@ -61,7 +62,8 @@ def lm_loss(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor
     labels = labels.to(input_ids.device).long()
     if backbone.encoder_decoder:
         dec_in = backbone.model._shift_right(labels)                       # start token in front, -100 -> pad
-        out, _ = run(backbone, capsule, input_ids, attention_mask, instance_mask, decoder_input_ids=dec_in)
+        inst = instance_mask.to(input_ids.device) if instance_mask is not None else None
+        out, _ = run(backbone, capsule, input_ids, attention_mask, inst, decoder_input_ids=dec_in)
         logits = lm_logits(backbone, out.decoder_last_hidden_state).float()  # (B, T_dec, V)
         scored = labels != IGNORE
         loss = F.cross_entropy(logits[scored], labels[scored])
