@@ -17,7 +17,7 @@ LM_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "linear"}
 
 def batch(bb, pairs, side="right"):
     """input_ids, attention_mask, labels for prompt + answer pairs: decoder-only, the answer scored in place;
-    T5: the prompt into the encoder, the answer (with its EOS) as the target."""
+    T5: the prompt into the encoder, the answer as the tokenizer gives it (as capt.score does) as the target."""
     tok = bb.tokenizer
     if bb.encoder_decoder:
         ids, mask = pad([tok(p)["input_ids"] for p, _ in pairs], tok.pad_token_id)
