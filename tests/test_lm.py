@@ -229,3 +229,25 @@ def test_the_lm_cli_batches_are_what_transformers_scores(arch):
             assert long["input_ids"][0] == short["input_ids"][0]
         with pytest.raises(capt.CaptError, match="leaves no room for its prompt"):
             encode(bb, 1, "a prompt", " word" * bb.max_length)
+
+
+def test_the_lm_cli_keeps_two_prompt_tokens_or_refuses():
+    """The edge of train.lm's room check: a completion (with its EOS) that leaves exactly 2 tokens keeps the
+    prompt's last 2; one that leaves 1 is refused, naming the longest completion that fits (one token shorter); never cut."""
+    import dataclasses
+
+    from train.lm import encode
+
+    bb = tiny("tiny-llama")
+    tok = bb.tokenizer
+    completion = " word" * 5
+    c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    prompt = "a much longer prompt about dogs and the cats of"
+    p = tok(prompt)["input_ids"]
+    fits = dataclasses.replace(bb, max_length=1 + len(c) + 2)           # 1 capsule slot + completion + 2
+    row = encode(fits, 1, prompt, completion)
+    assert row["input_ids"] == (p[:1] + p[-1:] if p[0] == tok.bos_token_id else p[-2:]) + c
+    assert row["labels"] == [-100, -100] + c
+    tight = dataclasses.replace(bb, max_length=1 + len(c) + 1)
+    with pytest.raises(capt.CaptError, match=f"at most {len(c) - 2} tokens"):
+        encode(tight, 1, prompt, completion)

@@ -26,7 +26,7 @@ from capt.backbones import Backbone, load_backbone
 from capt.config import CapsuleConfig
 from capt.errors import CaptError
 from capt.lm import IGNORE, CapsuleLM
-from capt.scoring import pad
+from capt.scoring import encode_prompts, pad
 from capt.tasks import read_records
 from capt.training import CODE, describe_machine
 
@@ -82,24 +82,22 @@ def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str
 
 
 def encode(bb: Backbone, capsule_slots: int, prompt: str, completion: str) -> dict:
-    """One row: decoder-only, prompt + completion + EOS with the prompt's labels -100 (a long prompt loses its
-    start, keeping a BOS); T5, the prompt for the encoder and the completion with an EOS as the target."""
+    """One row: decoder-only, prompt + completion + EOS with the prompt's labels -100; T5, the prompt for the
+    encoder and the completion with an EOS as the target. A long prompt is cut as capt.score cuts it
+    (decoder-only keeps its end and BOS, T5 its start and EOS); the completion never is."""
     tok = bb.tokenizer
-    limit = bb.max_length - capsule_slots
     if bb.encoder_decoder:
-        ids = tok(prompt)["input_ids"]
-        ids = ids[:limit - 1] + ids[-1:] if len(ids) > limit else ids
         target = tok(completion)["input_ids"]
         eos = [] if target[-1:] == [tok.eos_token_id] else [tok.eos_token_id]
+        (ids,), _ = encode_prompts(bb, None, [prompt], reserve=capsule_slots)
         return {"input_ids": ids, "labels": target + eos}
-    p = tok(prompt)["input_ids"]
     c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    if len(c) >= limit:
-        raise CaptError(f"a completion of {len(c)} tokens leaves no room for its prompt within {bb.name}'s limit "
-                        f"of {limit} tokens: {completion[:60]!r}")
-    if len(p) + len(c) > limit:
-        keep = limit - len(c)
-        p = p[:1] + p[-(keep - 1):] if keep > 1 and p[0] == tok.bos_token_id else p[-keep:]
+    limit = bb.max_length - capsule_slots
+    if len(c) >= limit - 1:   # the prompt needs 2 tokens at least: a BOS and the last word of its cue
+        raise CaptError(f"a completion of {len(c)} tokens (with its EOS) leaves no room for its prompt within "
+                        f"{bb.name}'s limit of {limit} tokens; give a completion of at most {limit - 3} tokens: "
+                        f"{completion[:60]!r}")
+    (p,), _ = encode_prompts(bb, None, [prompt], reserve=capsule_slots + len(c))
     return {"input_ids": p + c, "labels": [IGNORE] * len(p) + c}
 
 
