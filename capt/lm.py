@@ -76,9 +76,9 @@ def lm_loss(backbone: Backbone, capsule: Capsule | None, input_ids: torch.Tensor
     if not scored.any():
         raise CaptError("no token to learn: every label is -100 (or marks a row's first real token, which "
                         "has nothing before it to predict it from); give the answer tokens their ids")
-    inst = prompt_mask(torch.where(scored, labels, IGNORE), mask) if instance_mask is None else (
-        instance_mask.to(mask.device).bool() & mask)
-    _check_no_peeking(inst, scored)
+    prompt = prompt_mask(torch.where(scored, labels, IGNORE), mask)
+    inst = prompt if instance_mask is None else instance_mask.to(mask.device).bool() & mask
+    _check_no_peeking(inst, prompt)
     out, inputs = run(backbone, capsule, input_ids, attention_mask, instance_mask=inst)
     h = out.last_hidden_state
     if return_logits:                                          # every original position, the slot(s) left out
@@ -122,13 +122,11 @@ def _check_inputs(backbone, capsule, input_ids, attention_mask, labels):
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _check_no_peeking(inst: torch.Tensor, scored: torch.Tensor) -> None:
-    """The instance tokens of a row must all come before its first scored token (the one whose prediction
-    comes from position first-1 sees tokens < first only; a capsule reading token first or later leaks it)."""
-    T = scored.shape[1]
-    pos = torch.arange(T, device=scored.device).expand_as(scored)
-    first = torch.where(scored, pos, T).min(1).values
-    late = (inst & (pos >= first[:, None])).any(1)
+def _check_no_peeking(inst: torch.Tensor, prompt: torch.Tensor) -> None:
+    """The instance tokens of a row must all be in its prompt, before its first scored token (the one whose
+    prediction comes from position first-1 sees tokens < first only; a capsule reading token first or later
+    leaks it)."""
+    late = (inst & ~prompt).any(1)
     if late.any():
         rows = late.nonzero()[:, 0].tolist()
         raise CaptError(f"instance_mask reaches a scored token in row(s) {rows}: the capsule sits in front of "
