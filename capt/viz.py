@@ -396,19 +396,27 @@ def answers_sentence(summary: dict) -> str:
 def one_label_sentence(counts: dict) -> str:
     """' Always answering 'X' would score Y % accuracy here.' for the most frequent gold label of `counts`
     (`capt.training.label_counts`): the bar a run that learned one answer reaches ('' when counts are empty)."""
+    bar = one_label_bar(counts)
+    return f" Always answering '{bar[0]}' would score {100 * bar[1]:.1f} % accuracy here." if bar else ""
+
+
+def one_label_bar(counts: dict) -> tuple[str, float] | None:
+    """(label, accuracy) of always answering the most frequent gold label of `counts` (None when empty)."""
     totals = {g: sum(row.values()) for g, row in counts.items()}
     if not sum(totals.values()):
-        return ""
+        return None
     top = max(totals, key=totals.get)
-    return f" Always answering '{top}' would score {100 * totals[top] / sum(totals.values()):.1f} % accuracy here."
+    return top, totals[top] / sum(totals.values())
 
 
 def run_row(summary: dict, when: str = "") -> dict:
     """The few fields of a finished run's summary that `runs_table` shows (small: it lives in a session)."""
+    bar = one_label_bar(summary.get("test_counts") or {}) if "accuracy" in summary["test"] else None
     return dict(time=when, task=summary["task"], method=summary["method"], backbone=summary["backbone"],
                 n_trainable=summary["n_trainable"], steps=summary["steps"], seconds=summary["train_seconds"],
                 n_test=summary["n_test"],
-                test=" · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items()))
+                test=" · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items()),
+                bar=f"'{bar[0]}' {100 * bar[1]:.1f} %" if bar else "")
 
 
 def runs_table(rows: list[dict]) -> str:
@@ -416,7 +424,8 @@ def runs_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     lines = [f"| {r['time']} | {r['task']} | {r['method']} | {r['backbone']} | {r['n_trainable']:,} | {r['steps']} | "
-             f"{r['seconds']:.0f} | {r['n_test']} | {r['test']} |" for r in rows]
+             f"{r['seconds']:.0f} | {r['n_test']} | {r['test']} | {r.get('bar', '')} |" for r in rows]
     return ("**Runs in this session** (test metrics on each run's test split; the same task and preset give the "
-            "same split)\n\n| time | task | method | backbone | trainable | steps | seconds | test examples | "
-            "test |\n|---|---|---|---|---:|---:|---:|---:|---|\n" + "\n".join(lines))
+            "same split; *one label* is the accuracy of always answering the split's most frequent label)\n\n"
+            "| time | task | method | backbone | trainable | steps | seconds | test examples | test | one label |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---|---|\n" + "\n".join(lines))

@@ -302,6 +302,7 @@ def test_a_baseline_trains_on_the_same_data_and_joins_the_comparison(trained, tm
                               method="prompt-tuning"))[-1]
     assert last["error"] == "" and last["capsule"] is None and last["zip"].endswith(".zip")
     assert "| capt |" in last["runs"] and "| prompt-tuning |" in last["runs"]
+    assert all(re.search(r"\| '\w+' \d+\.\d % \|$", line) for line in last["runs"].splitlines()[-2:])  # CB's bar
     (label, path), = [c for c in app.soft_prompt_choices(BB, session) if c[1] != app.NONE]
     assert "prompt-tuning" in label and os.path.isfile(os.path.join(path, "adapter_config.json"))
     with zipfile.ZipFile(last["zip"]) as z:

@@ -11,9 +11,17 @@ def test_runs_table_rows_come_from_run_summaries():
     lines = table.splitlines()
     assert lines[2].startswith("| time | task | method |") and len(lines) == 6
     assert lines[4] == ("| 12:00:00 | cb | capt | tiny-llama | 17,280 | 20 | 12 | 56 | "
-                        "accuracy 57.1 % · macro_f1 40.0 % |")
+                        "accuracy 57.1 % · macro_f1 40.0 % |  |")                 # no counts: no one-label bar
     assert "| linear-head |" in lines[5]
     assert viz.runs_table([]) == ""
+    counts = {"contradiction": {"contradiction": 20, "entailment": 8}, "entailment": {"entailment": 23},
+              "neutral": {"entailment": 5}}
+    row = viz.run_row({**summary, "test_counts": counts}, "12:01:00")
+    assert row["bar"] == "'contradiction' 50.0 %"                                # 28 of 56
+    assert viz.runs_table([row]).splitlines()[-1].endswith("| 'contradiction' 50.0 % |")
+    assert viz.run_row({**summary, "test": {"f1a": 0.4}, "test_counts": counts})["bar"] == ""   # accuracy only
+    old_row = {k: v for k, v in viz.run_row(summary).items() if k != "bar"}     # a row kept from before the column
+    assert viz.runs_table([old_row]).splitlines()[-1].endswith("macro_f1 40.0 % |  |")
 
 
 def test_done_message_says_what_the_run_answered_and_what_one_label_everywhere_scores():
