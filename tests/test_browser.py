@@ -54,8 +54,8 @@ def server(tmp_path_factory):
     env = {**os.environ, "CAPT_APP_BACKBONE": "tiny-llama", "CAPT_APP_DIR": str(tmp / "sessions"),
            "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_TEMP_DIR": str(tmp / "gradio"),
            "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "CAPT_APP_MAX_UPLOAD": "1mb"}   # small, so that the test below can go over it   # one thread: fastest for a tiny model (conftest.py)
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",          # one thread: fastest for a tiny model (conftest.py)
+           "CAPT_APP_MAX_UPLOAD": "1mb"}   # small, so that the test below can go over it
     log = tmp / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -93,7 +93,8 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
     p.add_argument("--label-column", help=f"--data-file's label column (default {TrainConfig.label_column!r})")
     p.add_argument("--label-words", nargs="+", help="label=word pairs, e.g. 1=yes 0=no")
     p.add_argument("--out", help="run folder: metrics.jsonl, summary.json, checkpoint/, capsule/")
-    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint (compare: each method's own, under --out/<method>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --out's checkpoint (compare: each method's own, under --out/<method>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

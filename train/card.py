@@ -189,8 +189,8 @@ SETTINGS_OF_A_RUN = ("seed", "out_dir")   # config keys that may differ between 
 
 def seeds_record(seeds_dir: Path, run: Path, ref: dict) -> dict:
     """A `python -m train --seeds ... --out SEEDS_DIR` run of CaPT alone, checked to have the settings of the
-    compare RUN's CaPT run (`ref`, its summary.json), as results.json keeps it ("capt_seeds"): each seed's test and dev metrics, the mean ± std,
-    and whether the seed the compare trained came out bit for bit the same capsule."""
+    compare RUN's CaPT run (`ref`, its summary.json), as results.json keeps it ("capt_seeds"): each seed's test
+    and dev metrics, the mean ± std, and whether the seed the compare trained came out bit for bit the same capsule."""
     path = seeds_dir / "summary.json"
     s = _read_json(path, "--seeds takes the --out folder of `python -m train --seeds 0 1 2 ...`")
     if s.get("method") != "capt" or len(s.get("seeds") or []) < 2:
@@ -304,7 +304,8 @@ def _seeds_run_note(rec: dict, rows: list[dict], primary: str) -> str:
     repro = {True: f" Seed {rec['shipped_seed']} reproduced the shipped capsule bit for bit.",
              False: f" Seed {rec['shipped_seed']} trained a capsule that differs from the shipped one in its bits "
                     "(other code or thread count).", None: ""}[rec["reproduces_shipped"]]
-    return (f"Seeds {', '.join(map(str, rec['seeds']))}, CaPT alone, same settings ({shown_command(rec['command'])}{commit}): "
+    return (f"Seeds {', '.join(map(str, rec['seeds']))}, CaPT alone, same settings "
+            f"({shown_command(rec['command'])}{commit}): "
             f"test {scores} (best dev at steps {', '.join(str(r['best_step']) for r in rec['runs'])}); "
             f"{refs}.{repro} The table above compares methods on seed {rec['shipped_seed']}; the README's "
             "seeds column is this mean.")
@@ -385,7 +386,8 @@ def _baseline_seeds_note(rec: dict, rows: list[dict], primary: str) -> str:
     where = f" on {_machine({'code': {'machine': rec['machine'], 'torch': rec['torch']}})}" if rec.get("machine") else ""
     added = ", ".join(map(str, rec["seeds"][1:]))
     return (f"Baselines, seeds {', '.join(map(str, rec['seeds']))}: seed {rec['seeds'][0]} is the table above; seeds "
-            f"{added} were added by the same compare for the baselines alone ({shown_command(rec['command'])}{commit}{where}). "
+            f"{added} were added by the same compare for the baselines alone "
+            f"({shown_command(rec['command'])}{commit}{where}). "
             f"Test, seeds in that order: {'. '.join(parts)}. The README table gives these means, marked ({n}).")
 
 
