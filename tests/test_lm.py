@@ -182,7 +182,7 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
               "--eval-every", "3", "--batch-size", "4", "--out", str(out)]
     assert main(common + ["--max-steps", "6"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["steps"], summary["n_train"], summary["n_dev"]) == (6, 18, 2)
+    assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["n_prompts_cut"]) == (6, 18, 2, 0)
     assert sorted(summary["dev_losses"]) == ["3", "6"]
     assert summary["best_dev_loss"] == min(summary["dev_losses"].values())
     bb = tiny("tiny-llama")
@@ -197,6 +197,12 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
     assert main(common + ["--max-steps", "9", "--resume"]) == 0
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["steps"] == 9 and sorted(resumed["dev_losses"]) == ["3", "6", "9"]   # Trainer's log goes on
+    capsys.readouterr()
+    with data.open("a") as f:   # a prompt over the model's limit: cut, counted and said
+        f.write(json.dumps({"q": "word " * 2 * bb.max_length, "a": " the end"}) + "\n")
+    assert main(common[:-1] + [str(tmp_path / "long"), "--max-steps", "1"]) == 0
+    assert json.loads((tmp_path / "long" / "summary.json").read_text())["n_prompts_cut"] == 1
+    assert "1 prompt(s) cut at the start to fit tiny-llama's 512 tokens" in capsys.readouterr().err
     for change, message in [(["--completion-field", "answer"], r"lacks columns \['answer'\]"),
                             (["--lr", "0"], "out of range: --lr 0.0"),
                             (["--max-steps", "0"], "out of range: --max-steps 0")]:
@@ -222,6 +228,10 @@ def test_the_lm_cli_batches_are_what_transformers_scores(arch):
     long = encode(bb, 1, " ".join(["word"] * 2 * bb.max_length), " the end")
     assert len(long["input_ids"]) == bb.max_length - 1   # room for the capsule's slot
     short = encode(bb, 1, "a prompt", " the end")
+    completion = len(short["input_ids"]) - len(bb.tokenizer("a prompt")["input_ids"])   # 0 on T5: the target
+    kept = len(long["input_ids"]) - completion
+    n_long = len(bb.tokenizer(" ".join(["word"] * 2 * bb.max_length))["input_ids"])
+    assert short["cut"] == 0 and long["cut"] == n_long - kept
     scored = [t for t in short["labels"] if t != -100]
     assert [t for t in long["labels"] if t != -100] == scored and long["labels"][-len(scored):] == scored
     if not bb.encoder_decoder:

@@ -84,21 +84,22 @@ def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str
 def encode(bb: Backbone, capsule_slots: int, prompt: str, completion: str) -> dict:
     """One row: decoder-only, prompt + completion + EOS with the prompt's labels -100; T5, the prompt for the
     encoder and the completion with an EOS as the target. A long prompt is cut as capt.score cuts it
-    (decoder-only keeps its end and BOS, T5 its start and EOS); the completion never is."""
+    (decoder-only keeps its end and BOS, T5 its start and EOS; "cut": how many tokens it lost); the completion
+    never is."""
     tok = bb.tokenizer
     if bb.encoder_decoder:
         target = tok(completion)["input_ids"]
         eos = [] if target[-1:] == [tok.eos_token_id] else [tok.eos_token_id]
-        (ids,), _ = encode_prompts(bb, None, [prompt], reserve=capsule_slots)
-        return {"input_ids": ids, "labels": target + eos}
+        (ids,), (cut,) = encode_prompts(bb, None, [prompt], reserve=capsule_slots)
+        return {"input_ids": ids, "labels": target + eos, "cut": cut}
     c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     limit = bb.max_length - capsule_slots
     if len(c) >= limit - 1:   # the prompt needs 2 tokens at least: a BOS and the last word of its cue
         raise CaptError(f"a completion of {len(c)} tokens (with its EOS) leaves no room for its prompt within "
                         f"{bb.name}'s limit of {limit} tokens; give a completion of at most {limit - 3} tokens: "
                         f"{completion[:60]!r}")
-    (p,), _ = encode_prompts(bb, None, [prompt], reserve=capsule_slots + len(c))
-    return {"input_ids": p + c, "labels": [IGNORE] * len(p) + c}
+    (p,), (cut,) = encode_prompts(bb, None, [prompt], reserve=capsule_slots + len(c))
+    return {"input_ids": p + c, "labels": [IGNORE] * len(p) + c, "cut": cut}
 
 
 def split(rows: list, seed: int) -> tuple[list, list]:
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
+    n_cut = sum(r.pop("cut") > 0 for r in rows)
     train, dev = split(rows, args.seed)
     n_dev = len(dev)
     model = CapsuleLM(bb, config=config, seed=args.seed)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     best = min(evals, key=lambda h: h["eval_loss"]) if evals else None
     summary = {"command": "python -m train.lm " + shlex.join(argv), "backbone": bb.name, "n_train": len(train),
-               "n_dev": n_dev, "steps": trainer.state.global_step, "max_steps": args.max_steps,
+               "n_dev": n_dev, "n_prompts_cut": n_cut, "steps": trainer.state.global_step, "max_steps": args.max_steps,
                "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],
                "dev_losses": {h["step"]: h["eval_loss"] for h in evals}, "train_loss": result.training_loss,
                "wall_seconds": round(time.time() - started, 1), "n_trainable": model.capsule.n_capsule_params(),
@@ -167,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = model.save(out / "capsule", training=summary)   # the best dev loss's capsule (load_best_model_at_end)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{folder}: {summary['steps']} steps, best dev loss {summary['best_dev_loss']:.4f} at step "
-          f"{summary['best_step']} ({len(train)} train / {n_dev} dev rows)", file=sys.stderr)
+          f"{summary['best_step']} ({len(train)} train / {n_dev} dev rows"
+          + (f"; {n_cut} prompt(s) cut at the start to fit {bb.name}'s {bb.max_length} tokens" if n_cut else "")
+          + ")", file=sys.stderr)
     return 0
 
 
