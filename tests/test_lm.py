@@ -194,9 +194,21 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
         assert lm_loss(bb, capsule, **dev).loss.item() == pytest.approx(summary["best_dev_loss"], rel=1e-5)
     assert main(common + ["--max-steps", "6"]) == 2   # the folder holds a run
     assert "already holds a run" in capsys.readouterr().err
+    assert summary["trained_on"] == [{"from_step": 0, "code": summary["code"]}]
+    kept = json.loads((out / "trainer" / "checkpoint-6" / "capt_legs.json").read_text())   # what resuming reads
+    assert kept["seconds"] > 0 and kept["trained_on"] == summary["trained_on"]
     assert main(common + ["--max-steps", "9", "--resume"]) == 0
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["steps"] == 9 and sorted(resumed["dev_losses"]) == ["3", "6", "9"]   # Trainer's log goes on
+    first, then = resumed["trained_on"]   # every leg: the first run's seconds carried over from its checkpoint
+    assert (first["from_step"], then["from_step"]) == (0, 6) and first == summary["trained_on"][0]
+    assert then["from_seconds"] == round(kept["seconds"], 1) <= resumed["train_seconds"]
+    (out / "trainer" / "checkpoint-9" / "capt_legs.json").unlink()   # a checkpoint that predates the file
+    assert main(common + ["--max-steps", "10", "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["trained_on"] == [
+        {"from_step": 0, "code": None}, {"from_step": 9, "from_seconds": 0.0, "code": summary["code"]}]
+    assert main(common[:-1] + [str(tmp_path / "none"), "--max-steps", "3", "--resume"]) == 2
+    assert "--resume: no checkpoint in" in capsys.readouterr().err
     capsys.readouterr()
     with data.open("a") as f:   # a prompt over the model's limit: cut, counted and said
         f.write(json.dumps({"q": "word " * 2 * bb.max_length, "a": " the end"}) + "\n")

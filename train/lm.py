@@ -8,7 +8,8 @@ The rows are split 90/10 (seeded) into train and dev; the dev loss, every --eval
 kept and stops the run after --patience evaluations without improvement. The completion is learned with an
 end-of-sequence token after it (so the capsule also learns where to stop); the capsule reads the prompt
 (capt.lm). OUT/capsule is an ordinary capsule folder (capt.load_capsule, capt.generate), OUT/summary.json the
-outcome, OUT/trainer Trainer's checkpoints (capsule, optimizer and scheduler only: the backbone is never saved).
+outcome (training seconds and the code and machine of every leg, resumed ones included), OUT/trainer Trainer's
+checkpoints (capsule, optimizer and scheduler only: the backbone is never saved).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from capt.backbones import Backbone, load_backbone
 from capt.config import CapsuleConfig
@@ -65,6 +68,14 @@ def check_args(args) -> None:
     if used and not args.resume:
         raise CaptError(f"{args.out} already holds a run ({', '.join(used)}); continue it with --resume, or give "
                         "another --out")
+    if args.resume and _last_checkpoint(args) is None:
+        raise CaptError(f"--resume: no checkpoint in {Path(args.out) / 'trainer'} to go on from; start without "
+                        "--resume")
+
+
+def _last_checkpoint(args) -> str | None:
+    folder = Path(args.out) / "trainer"
+    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
 
 
 def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str, str]]:
@@ -110,6 +121,36 @@ def split(rows: list, seed: int) -> tuple[list, list]:
     return [rows[i] for i in order[n_dev:]], [rows[i] for i in order[:n_dev]]
 
 
+class Legs(TrainerCallback):
+    """A Trainer callback that keeps, in each checkpoint, the training seconds so far (Trainer's state has no
+    time) and which code and machine trained from which step ("trained_on", as `python -m train` records it),
+    so that a resumed run's summary covers every leg, a killed one's included."""
+
+    FILE = "capt_legs.json"
+
+    def __init__(self, code: dict, resume_from: Path | None):
+        kept = resume_from / self.FILE if resume_from else None
+        prev = json.loads(kept.read_text()) if kept and kept.exists() else None
+        self.before = prev["seconds"] if prev else 0.0
+        if resume_from is None:
+            self.trained_on = [{"from_step": 0, "code": code}]
+        else:   # a checkpoint written without the file: its steps' code and time unknown
+            self.trained_on = (prev["trained_on"] if prev else [{"from_step": 0, "code": None}]) + [
+                {"from_step": int(resume_from.name.rsplit("-", 1)[1]), "from_seconds": round(self.before, 1),
+                 "code": code}]
+        self.started = time.time()
+
+    def seconds(self) -> float:
+        return self.before + time.time() - self.started
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.time()
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"   # Trainer's PREFIX_CHECKPOINT_DIR
+        (folder / self.FILE).write_text(json.dumps({"seconds": self.seconds(), "trained_on": self.trained_on}))
+
+
 class Collator:
     """Pads a batch of `encode` rows on the right: pads masked out and never scored."""
 
@@ -134,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     except CaptError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
-
     n_cut = sum(r.pop("cut") > 0 for r in rows)
     train, dev = split(rows, args.seed)
     n_dev = len(dev)
@@ -149,23 +188,23 @@ def main(argv: list[str] | None = None) -> int:
         load_best_model_at_end=True,
         metric_for_best_model="eval_loss", greater_is_better=False, logging_steps=min(10, args.eval_every),
         report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available())
+    last = _last_checkpoint(args) if args.resume else None
+    code = {**CODE, "machine": describe_machine(bb.device)}
+    legs = Legs(code, Path(last) if last else None)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
                       data_collator=Collator(bb.tokenizer.pad_token_id),
-                      callbacks=[EarlyStoppingCallback(early_stopping_patience=args.patience)])
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=args.patience), legs])
     started = time.time()
-    try:
-        result = trainer.train(resume_from_checkpoint=True if args.resume else None)
-    except ValueError as e:   # Trainer: "No valid checkpoint found in output directory"
-        print(f"error: --resume: {e}", file=sys.stderr)
-        return 2
+    result = trainer.train(resume_from_checkpoint=last)
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     best = min(evals, key=lambda h: h["eval_loss"]) if evals else None
     summary = {"command": "python -m train.lm " + shlex.join(argv), "backbone": bb.name, "n_train": len(train),
                "n_dev": n_dev, "n_prompts_cut": n_cut, "steps": trainer.state.global_step, "max_steps": args.max_steps,
                "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],
                "dev_losses": {h["step"]: h["eval_loss"] for h in evals}, "train_loss": result.training_loss,
+               "train_seconds": round(legs.seconds(), 1), "trained_on": legs.trained_on,
                "wall_seconds": round(time.time() - started, 1), "n_trainable": model.capsule.n_capsule_params(),
-               "capsule": config.to_dict(), "code": {**CODE, "machine": describe_machine(bb.device)}}
+               "capsule": config.to_dict(), "code": code}
     folder = model.save(out / "capsule", training=summary)   # the best dev loss's capsule (load_best_model_at_end)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{folder}: {summary['steps']} steps, best dev loss {summary['best_dev_loss']:.4f} at step "
