@@ -231,12 +231,19 @@ def predict_view(backbone: str, capsule: str = NONE, task: str = "rte", session:
 
 
 def generate_view(backbone: str, capsule: str = NONE, task: str = "rte", session: dict | None = None,
-                  hub_id: str = "", picked: dict | None = None, max_new_tokens: int = 24, **fields):
+                  hub_id: str = "", picked: dict | None = None, max_new_tokens: int = 24, own_prompt: str = "",
+                  **fields):
     """(markdown, error message): what the backbone writes after the example's prompt (greedy, capt.generate),
-    without and with the capsule. Prediction itself never generates; this shows what else the capsule changes."""
+    or after `own_prompt` as typed when it is not empty (what a free-text capsule from `python -m train.lm` is
+    for), without and with the capsule. Prediction itself never generates; this shows what else the capsule
+    changes."""
     try:
-        bb, cap, t, notes = resolve(hub_id or backbone, capsule, task, session)
-        prompt = t.render(make_example(t, fields, picked), bb.style).prompt
+        if (own_prompt or "").strip():
+            bb, cap, _, notes = resolve(hub_id or backbone, capsule, "rte" if task == CUSTOM else task, session)
+            notes, prompt = [], own_prompt
+        else:
+            bb, cap, t, notes = resolve(hub_id or backbone, capsule, task, session)
+            prompt = t.render(make_example(t, fields, picked), bb.style).prompt
         n = int(max_new_tokens)
         bare = capt.generate(bb, prompt, max_new_tokens=n)
         mine = capt.generate(bb, prompt, capsule=cap, max_new_tokens=n) if cap is not None else None
@@ -542,6 +549,9 @@ def build_demo():
                     with gr.Row():
                         gen_tokens = gr.Slider(1, 64, value=24, step=1, label="new tokens")
                         gen_btn = gr.Button("Generate", size="sm")
+                    own_prompt = gr.Textbox("", label="your own prompt (optional)", lines=2,
+                                            info="generate after this text as typed, instead of the task's prompt "
+                                                 "(e.g. for a capsule trained on free text with python -m train.lm)")
                     gen_md = gr.Markdown()
             with gr.Tab("Attention") as tab_attn:
                 with gr.Row():
@@ -616,7 +626,8 @@ def build_demo():
         common = dict(backbone=backbone, hub_id=hub_id, capsule=capsule, task=task, session=session, picked=picked,
                       **boxes, custom_fields=custom)
         predict_btn.click(warned(predict_view), inputs_kwargs=common, outputs=[probs, report, err], api_name="predict")
-        gen_btn.click(warned(generate_view), inputs_kwargs={**common, "max_new_tokens": gen_tokens},
+        gen_btn.click(warned(generate_view), inputs_kwargs={**common, "max_new_tokens": gen_tokens,
+                                                            "own_prompt": own_prompt},
                       outputs=[gen_md, err], api_name="generate")
         gr.on([attn_btn.click, layer.release, head.release], warned(attention_view), api_name="attention",
               inputs_kwargs={**common, "layer": layer, "head": head, "soft_prompt": soft},

@@ -357,7 +357,13 @@ def capsule_markdown(capsule, backbone) -> str:
             f"| capsule / backbone | {rep['share_percent']:.4f} % |\n\nOptions: fusion `{cfg.fusion}` · placement "
             f"`{cfg.placement}` · layers `{cfg.layers}` · head `{cfg.head}`: a capsule on {len(capsule.layer_ids)} "
             f"of {backbone.n_layers} layers, d = {backbone.hidden_size}")
-    if tr:
+    if tr and "best_dev_loss" in tr:   # `python -m train.lm`: free text, no task and no test split
+        loss = tr["best_dev_loss"]
+        text += (f"\n\nTrained on free text (`python -m train.lm`, {tr.get('n_train')} prompt → completion rows): "
+                 f"{tr.get('steps')} steps, best dev loss "
+                 f"{'n/a' if loss is None else f'{loss:.4f}'} at step {tr.get('best_step')}; no task, so "
+                 "no label scores: try it in the generation view with your own prompt")
+    elif tr:
         scores = ", ".join(f"{k} {100 * v:.1f} %" for k, v in (capsule.meta.get("metrics") or {}).items())
         text += (f"\n\nTrained on `{tr.get('task')}`: {tr.get('steps')} steps ({tr.get('stopped_by')}); test "
                  f"{scores or 'n/a'} on {tr.get('n_test')} examples")

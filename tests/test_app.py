@@ -97,6 +97,34 @@ def test_generate_shows_the_continuation_without_and_with_the_capsule(trained, t
         assert text == "" and message in err
 
 
+def test_a_free_text_capsule_uploads_and_generates_after_your_own_prompt(tmp_path):
+    """A capsule from `python -m train.lm` (no task) uploaded as a zip: its card says it was trained on free text,
+    and the generation view continues the user's own prompt as typed, without and with it (capt.generate's text);
+    an own prompt also works with the 'custom' task selected, and a blank one falls back to the task's prompt."""
+    from capt.io import export_zip
+    from train.lm import main
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {w}:", "completion": f" {w} {w}"}) + "\n"
+                            for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]))
+    assert main(["--data-file", str(data), "--backbone", BB, "--max-steps", "2", "--eval-every", "2",
+                 "--out", str(tmp_path / "run")]) == 0
+    session = new_session(tmp_path)
+    session, path, msg = app.upload_capsule(str(export_zip(tmp_path / "run" / "capsule")), BB, session)
+    assert msg == "" and "(no task)" in session["capsules"][-1]["label"]
+    report = app.predict_view(BB, path, "rte", session=session, **CB)[1]
+    assert "Trained on free text (`python -m train.lm`, 9 prompt → completion rows): 2 steps, best dev loss" in report
+    bb = app.get_backbone(BB)
+    cap, task = capt.load_capsule(path, bb)
+    bare, mine = (capt.generate(bb, "say cat:", capsule=c, max_new_tokens=3) for c in (None, cap))
+    want = capt.viz.generation_markdown("say cat:", bare, mine)
+    for task_box in ("rte", app.CUSTOM):
+        assert app.generate_view(BB, path, task_box, session=session, max_new_tokens=3, own_prompt="say cat:",
+                                 **CB) == (want, "")
+    text, err = app.generate_view(BB, path, "cb", session=session, max_new_tokens=3, own_prompt="  ", **CB)
+    assert err == "" and f"```text\n{capt.get_task('cb').render(CB, bb.style).prompt}\n```" in text
+
+
 def test_attention_with_and_without_the_capsule(trained):
     session, states = trained
     *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", layer=1, head=2, session=session, **CB)
