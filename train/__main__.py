@@ -54,7 +54,8 @@ def _record_command(out_dir: str | None, name: str, argv: list[str]) -> None:
 def parser(compare_mode: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train" + (" compare" if compare_mode else ""),
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backbone", default=TrainConfig.backbone)
+    p.add_argument("--backbone", default=TrainConfig.backbone,
+                   help="smollm2-135m (default, embedded), gemma3-270m, t5-base, a hub id or a local folder")
     p.add_argument("--task", default=TrainConfig.task,
                    help="boolq, cb, copa, multirc, rte, wic, or a name for --data-file")
     if compare_mode:
@@ -64,30 +65,37 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
         p.add_argument("--method", default=TrainConfig.method, help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--lr", type=float, help="default per method: capt 3e-2, linear-head 1e-3, prompt-tuning 3e-1, "
                                             "p-tuning-v2 1e-2")
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    p.add_argument("--epochs", type=int, default=TrainConfig.epochs)
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--max-minutes", type=float)
-    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
-    p.add_argument("--patience", type=int, default=TrainConfig.patience)
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="default %(default)s")
+    p.add_argument("--epochs", type=int, default=TrainConfig.epochs,
+                   help="default %(default)s, the paper's budget (early stopping usually ends sooner)")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps (default: no cap)")
+    p.add_argument("--max-minutes", type=float, help="stop after this much training time (default: no cap)")
+    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every,
+                   help="steps between dev evaluations and checkpoints (default %(default)s)")
+    p.add_argument("--patience", type=int, default=TrainConfig.patience,
+                   help="dev evaluations without improvement before stopping (default %(default)s)")
     p.add_argument("--min-steps", type=int, default=TrainConfig.min_steps,
                    help="no early stopping before this step (default 0, the paper's protocol)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[TrainConfig.seed])
-    p.add_argument("--max-train", type=int)
-    p.add_argument("--max-dev", type=int)
-    p.add_argument("--max-test", type=int)
-    p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    p.add_argument("--seeds", type=int, nargs="+", default=[TrainConfig.seed],
+                   help="one run per seed, then the mean ± std (default: 0)")
+    p.add_argument("--max-train", type=int, help="cap on training examples: a fixed random subset, the same for every seed "
+                                                        "and method (default: all)")
+    p.add_argument("--max-dev", type=int, help="cap on the 10 %% dev split (default: all)")
+    p.add_argument("--max-test", type=int, help="cap on the test split (default: all)")
+    p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps,
+                   help="steps of linear learning-rate warm-up, then constant (default %(default)s)")
     p.add_argument("--num-virtual-tokens", type=int,
                    help=f"prompt-tuning, p-tuning-v2 only (default {TrainConfig.num_virtual_tokens})")
-    p.add_argument("--fusion", help="add, prepend, extract, project, none")
-    p.add_argument("--placement", help="slot, inplace")
-    p.add_argument("--layers", help="all, odd, even, first_half, latter_half, or a comma list like 0,2,5")
-    p.add_argument("--head", help="verbalizer, linear")
-    p.add_argument("--dtype", default=TrainConfig.dtype)
-    p.add_argument("--data-dir")
+    p.add_argument("--fusion", help="add (default), prepend, extract, project, none")
+    p.add_argument("--placement", help="slot (default), inplace")
+    p.add_argument("--layers", help="all (default), odd, even, first_half, latter_half, or a comma list like 0,2,5")
+    p.add_argument("--head", help="verbalizer (default), linear")
+    p.add_argument("--dtype", default=TrainConfig.dtype, help="float32 (default, the paper's), bfloat16, float16")
+    p.add_argument("--data-dir", help="the SuperGLUE files (default: $CAPT_DATA_DIR, else ../shared/data/superglue "
+                                         "beside this checkout)")
     p.add_argument("--source", help="a hub dataset id, e.g. aps/super_glue")
     p.add_argument("--data-file", help="your CSV/JSONL training data")
-    p.add_argument("--test-file")
+    p.add_argument("--test-file", help="--data-file's test rows (default: a further 10 %% of --data-file held out)")
     p.add_argument("--fields", nargs="+", help="input fields of --data-file's task")
     p.add_argument("--columns", nargs="+", help="field=column pairs when the file's columns differ")
     p.add_argument("--label-column", help=f"--data-file's label column (default {TrainConfig.label_column!r})")

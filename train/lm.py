@@ -38,19 +38,23 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.lm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-file", required=True, help="a .jsonl, .json or .csv file of prompts and completions")
-    p.add_argument("--prompt-field", default="prompt")
-    p.add_argument("--completion-field", default="completion")
-    p.add_argument("--backbone", default="smollm2-135m")
+    p.add_argument("--prompt-field", default="prompt", help="the column the capsule reads (default %(default)s)")
+    p.add_argument("--completion-field", default="completion",
+                   help="the column learned, with an end-of-sequence token after it (default %(default)s)")
+    p.add_argument("--backbone", default="smollm2-135m", help="default %(default)s (embedded); a hub id or folder")
     p.add_argument("--out", required=True, help="the run's folder (capsule/, summary.json, trainer/)")
-    p.add_argument("--max-steps", type=int, default=500)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--patience", type=int, default=10, help="evaluations without improvement before stopping")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fusion", default="add")
-    p.add_argument("--placement", default="slot")
-    p.add_argument("--layers", default="all")
+    p.add_argument("--max-steps", type=int, default=500, help="default %(default)s")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="steps between dev-loss evaluations and checkpoints (default %(default)s)")
+    p.add_argument("--patience", type=int, default=10,
+                   help="evaluations without improvement before stopping (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="default %(default)s")
+    p.add_argument("--lr", type=float, default=3e-2, help="constant, AdamW (default %(default)s, as python -m train)")
+    p.add_argument("--seed", type=int, default=0, help="the capsule's initialisation, the split and the order")
+    p.add_argument("--fusion", default="add", help="add (default), prepend, extract, project, none")
+    p.add_argument("--placement", default="slot", help="slot (default), inplace")
+    p.add_argument("--layers", default="all",
+                   help="all (default), odd, even, first_half, latter_half, or a comma list like 0,2,5")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/trainer")
     return p
 
