@@ -170,7 +170,8 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
     loss picks the capsule); --resume goes on from the last checkpoint; bad input is a message, exit 2."""
     import json
 
-    from train.lm import Collator, encode, main, split
+    from capt.lm_training import Collator, encode, split
+    from train.lm import main
 
     g = torch.Generator().manual_seed(0)
     words = ["cat", "dog", "sun", "tree"]
@@ -223,10 +224,42 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
+    """capt.lm_training.train_lm, what python -m train.lm calls: pairs in, a loadable capsule folder and the
+    summary out (the capsule kept scores the best dev loss); bad options are refused before any training, named as
+    the library's parameters (the CLI names its flags)."""
+    from capt.lm_training import Collator, check_options, encode, split, train_lm
+
+    bb = tiny(arch)
+    pairs = [(f"say {w}:", f" {w} {w}") for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]]
+    summary = train_lm(bb, pairs, tmp_path / "run", capt.CapsuleConfig(layers="odd"), max_steps=4, eval_every=2,
+                       batch_size=3)
+    assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["command"]) == (4, 9, 1, None)
+    capsule, task = capt.load_capsule(summary["capsule_dir"], bb)
+    assert task is None and capsule.config.layers == "odd" and capsule.layer_ids == [0, 2]
+    dev = Collator(bb.tokenizer.pad_token_id)([{k: v for k, v in r.items() if k != "cut"}
+                                               for r in split([encode(bb, 1, p, c) for p, c in pairs], 0)[1]])
+    with torch.no_grad():
+        assert lm_loss(bb, capsule, **dev).loss.item() == pytest.approx(summary["best_dev_loss"], rel=1e-5)
+    for kwargs, message in [(dict(lr=0), r"out of range: lr 0 \(valid: 0 < lr <= 1\)"),
+                            (dict(max_steps=0, patience=0), "max_steps 0 .*; patience 0"),
+                            (dict(resume=True), "resume: no checkpoint in")]:
+        with pytest.raises(capt.CaptError, match=message):
+            train_lm(bb, pairs, tmp_path / "other", **kwargs)
+    with pytest.raises(capt.CaptError, match=r"out of range: --lr 0"):
+        check_options(tmp_path / "other", lr=0, flags=True)
+    with pytest.raises(capt.CaptError, match="already holds a run"):
+        train_lm(bb, pairs, tmp_path / "run")
+    with pytest.raises(capt.CaptError, match="1 pair"):
+        train_lm(bb, pairs[:1], tmp_path / "one")
+    assert not (tmp_path / "other").exists() and not (tmp_path / "one").exists()   # refused before anything
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
 def test_the_lm_cli_batches_are_what_transformers_scores(arch):
     """train.lm's rows and batches: the completion (and an EOS after it) scored, the prompt and pads not; without
     a capsule their loss is transformers' own; a long prompt is cut to fit, the completion never."""
-    from train.lm import Collator, encode
+    from capt.lm_training import Collator, encode
 
     bb = tiny(arch)
     rows = [encode(bb, 1, p, a) for p, a in PAIRS]
@@ -258,7 +291,7 @@ def test_the_lm_cli_keeps_two_prompt_tokens_or_refuses():
     prompt's last 2; one that leaves 1 is refused, naming the longest completion that fits (one token shorter); never cut."""
     import dataclasses
 
-    from train.lm import encode
+    from capt.lm_training import encode
 
     bb = tiny("tiny-llama")
     tok = bb.tokenizer

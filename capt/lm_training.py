@@ -1,0 +1,190 @@
+"""train_lm(): a capsule trained on free text (a prompt -> its completion) with the backbone's own
+language-modelling loss (capt.lm_loss), through transformers' Trainer and capt.CapsuleLM, in one call:
+
+    from capt.lm_training import read_pairs, train_lm
+    summary = train_lm(bb, read_pairs("qa.jsonl", "question", "answer"), "runs/qa")
+    capsule, _ = capt.load_capsule("runs/qa/capsule", bb)          # then capt.generate(bb, prompt, capsule)
+
+The pairs are split 90/10 (seeded) into train and dev; the dev loss, every `eval_every` steps, picks the capsule
+kept and stops the run after `patience` evaluations without improvement. The completion is learned with an
+end-of-sequence token after it (so the capsule also learns where to stop); the capsule reads the prompt
+(capt.lm). OUT/capsule is an ordinary capsule folder, OUT/summary.json the outcome (training seconds and the
+code and machine of every leg, resumed ones included), OUT/trainer Trainer's checkpoints (capsule, optimizer
+and scheduler only: the backbone is never saved). `python -m train.lm` is its command line.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from .backbones import Backbone
+from .config import CapsuleConfig
+from .errors import CaptError
+from .lm import IGNORE, CapsuleLM
+from .scoring import encode_prompts, pad
+from .tasks import read_records
+from .training import CODE, describe_machine
+
+
+def check_options(out, max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
+                  lr: float = 3e-2, resume: bool = False, flags: bool = False) -> None:
+    """train_lm's options, checked before anything is loaded: a CaptError that names each bad one (flags=True:
+    as the command line's flags, --max-steps for max_steps)."""
+    name = (lambda k: "--" + k.replace("_", "-")) if flags else str
+    bad = [f"{name(k)} {v!r} (valid: {want})" for k, v, ok, want in [
+        ("max_steps", max_steps, isinstance(max_steps, int) and max_steps >= 1, "an integer >= 1"),
+        ("eval_every", eval_every, isinstance(eval_every, int) and eval_every >= 1, "an integer >= 1"),
+        ("patience", patience, isinstance(patience, int) and patience >= 1, "an integer >= 1"),
+        ("batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1, "an integer >= 1"),
+        ("lr", lr, isinstance(lr, (int, float)) and 0 < lr <= 1, "0 < lr <= 1")] if not ok]
+    if bad:
+        raise CaptError("out of range: " + "; ".join(bad))
+    used = [n for n in ("capsule", "summary.json") if (Path(out) / n).exists()]
+    if used and not resume:
+        raise CaptError(f"{out} already holds a run ({', '.join(used)}); continue it with {name('resume')}, or give "
+                        "another folder")
+    if resume and last_checkpoint(out) is None:
+        raise CaptError(f"{name('resume')}: no checkpoint in {Path(out) / 'trainer'} to go on from; start without "
+                        f"{name('resume')}")
+
+
+def last_checkpoint(out) -> str | None:
+    """Trainer's latest checkpoint folder under OUT/trainer (None when there is none)."""
+    folder = Path(out) / "trainer"
+    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+
+
+def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str, str]]:
+    """(prompt, completion) per row; a row with an empty or non-text value is refused with its number."""
+    pairs = []
+    for row, r in enumerate(read_records(path, [prompt_field, completion_field]), start=1):
+        p, c = r[prompt_field], r[completion_field]
+        if not (isinstance(p, str) and p.strip() and isinstance(c, str) and c.strip()):
+            raise CaptError(f"{Path(path).name} row {row}: {prompt_field!r} and {completion_field!r} must both be "
+                            f"non-empty text, got {p!r} and {c!r}")
+        pairs.append((p, c))
+    if len(pairs) < 2:
+        raise CaptError(f"{path} has {len(pairs)} row(s); training needs at least 2 (90 % train, 10 % dev)")
+    return pairs
+
+
+def encode(bb: Backbone, capsule_slots: int, prompt: str, completion: str) -> dict:
+    """One row: decoder-only, prompt + completion + EOS with the prompt's labels -100; T5, the prompt for the
+    encoder and the completion with an EOS as the target. A long prompt is cut as capt.score cuts it
+    (decoder-only keeps its end and BOS, T5 its start and EOS; "cut": how many tokens it lost); the completion
+    never is."""
+    tok = bb.tokenizer
+    if bb.encoder_decoder:
+        target = tok(completion)["input_ids"]
+        eos = [] if target[-1:] == [tok.eos_token_id] else [tok.eos_token_id]
+        (ids,), (cut,) = encode_prompts(bb, None, [prompt], reserve=capsule_slots)
+        return {"input_ids": ids, "labels": target + eos, "cut": cut}
+    c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    limit = bb.max_length - capsule_slots
+    if len(c) >= limit - 1:   # the prompt needs 2 tokens at least: a BOS and the last word of its cue
+        raise CaptError(f"a completion of {len(c)} tokens (with its EOS) leaves no room for its prompt within "
+                        f"{bb.name}'s limit of {limit} tokens; give a completion of at most {limit - 3} tokens: "
+                        f"{completion[:60]!r}")
+    (p,), (cut,) = encode_prompts(bb, None, [prompt], reserve=capsule_slots + len(c))
+    return {"input_ids": p + c, "labels": [IGNORE] * len(p) + c, "cut": cut}
+
+
+def split(rows: list, seed: int) -> tuple[list, list]:
+    """(train, dev): a seeded 90/10 split, at least one dev row."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_dev = max(1, len(rows) // 10)
+    return [rows[i] for i in order[n_dev:]], [rows[i] for i in order[:n_dev]]
+
+
+class Legs(TrainerCallback):
+    """A Trainer callback that keeps, in each checkpoint, the training seconds so far (Trainer's state has no
+    time) and which code and machine trained from which step ("trained_on", as `python -m train` records it),
+    so that a resumed run's summary covers every leg, a killed one's included."""
+
+    FILE = "capt_legs.json"
+
+    def __init__(self, code: dict, resume_from: Path | None):
+        kept = resume_from / self.FILE if resume_from else None
+        prev = json.loads(kept.read_text()) if kept and kept.exists() else None
+        self.before = prev["seconds"] if prev else 0.0
+        if resume_from is None:
+            self.trained_on = [{"from_step": 0, "code": code}]
+        else:   # a checkpoint written without the file: its steps' code and time unknown
+            self.trained_on = (prev["trained_on"] if prev else [{"from_step": 0, "code": None}]) + [
+                {"from_step": int(resume_from.name.rsplit("-", 1)[1]), "from_seconds": round(self.before, 1),
+                 "code": code}]
+        self.started = time.time()
+
+    def seconds(self) -> float:
+        return self.before + time.time() - self.started
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.time()
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"   # Trainer's PREFIX_CHECKPOINT_DIR
+        (folder / self.FILE).write_text(json.dumps({"seconds": self.seconds(), "trained_on": self.trained_on}))
+
+
+class Collator:
+    """Pads a batch of `encode` rows on the right: pads masked out and never scored."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        ids, mask = pad([r["input_ids"] for r in rows], self.pad_id)
+        labels, lmask = pad([r["labels"] for r in rows], IGNORE)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(lmask == 0, IGNORE)}
+
+
+def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: CapsuleConfig | None = None,
+             max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
+             lr: float = 3e-2, seed: int = 0, resume: bool = False, command: str | None = None) -> dict:
+    """Train a capsule on (prompt, completion) pairs; writes OUT/capsule, OUT/summary.json and OUT/trainer, and
+    returns the summary. Constant learning rate (AdamW, no weight decay), the dev loss's best capsule kept;
+    resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill)."""
+    check_options(out, max_steps, eval_every, patience, batch_size, lr, resume)
+    config = config or CapsuleConfig()
+    if len(pairs) < 2:
+        raise CaptError(f"{len(pairs)} pair(s); training needs at least 2 (90 % train, 10 % dev)")
+    rows = [encode(backbone, config.n_slots, p, c) for p, c in pairs]
+    n_cut = sum(r.pop("cut") > 0 for r in rows)
+    train, dev = split(rows, seed)
+    model = CapsuleLM(backbone, config=config, seed=seed)
+    out = Path(out)
+    on_gpu = backbone.device.type == "cuda"
+    targs = TrainingArguments(
+        output_dir=str(out / "trainer"), max_steps=max_steps, per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size, learning_rate=lr, lr_scheduler_type="constant",
+        weight_decay=0.0, eval_strategy="steps", eval_steps=min(eval_every, max_steps),
+        save_strategy="steps", save_steps=min(eval_every, max_steps), save_total_limit=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss", greater_is_better=False, logging_steps=min(10, eval_every),
+        report_to=[], seed=seed, use_cpu=not on_gpu)
+    last = last_checkpoint(out) if resume else None
+    code = {**CODE, "machine": describe_machine(backbone.device)}
+    legs = Legs(code, Path(last) if last else None)
+    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
+                      data_collator=Collator(backbone.tokenizer.pad_token_id),
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=patience), legs])
+    started = time.time()
+    result = trainer.train(resume_from_checkpoint=last)
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    best = min(evals, key=lambda h: h["eval_loss"]) if evals else None
+    summary = {"command": command, "backbone": backbone.name, "n_train": len(train), "n_dev": len(dev),
+               "n_prompts_cut": n_cut, "steps": trainer.state.global_step, "max_steps": max_steps,
+               "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],
+               "dev_losses": {h["step"]: h["eval_loss"] for h in evals}, "train_loss": result.training_loss,
+               "train_seconds": round(legs.seconds(), 1), "trained_on": legs.trained_on,
+               "wall_seconds": round(time.time() - started, 1), "n_trainable": model.capsule.n_capsule_params(),
+               "capsule": config.to_dict(), "code": code}
+    summary["capsule_dir"] = str(model.save(out / "capsule", training=summary))   # the best dev loss's capsule
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
