@@ -292,6 +292,9 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
         text, err = client.predict(backbone=BB, capsule=path, task="cb", premise="The cat sat.", hypothesis="A cat sat.",
                                    max_new_tokens=3, api_name="/generate")
         assert err == "" and "**With capsule**" in text
+        text, err = client.predict(backbone=BB, capsule=path, task="cb", own_prompt="Once upon a time",
+                                   max_new_tokens=3, api_name="/generate")
+        assert err == "" and text.startswith("**Prompt**\n\n```text\nOnce upon a time\n```")
         # another client is another session: it cannot read the first one's capsule
         other = Client(url, verbose=False)
         assert "unknown capsule" in other.predict(backbone=BB, capsule=path, task="cb", premise="a", hypothesis="b",
