@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import EarlyStoppingCallback, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from .backbones import Backbone
@@ -32,7 +32,8 @@ from .training import CODE, describe_machine
 
 
 def check_options(out, max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
-                  lr: float = 3e-2, resume: bool = False, flags: bool = False) -> None:
+                  lr: float = 3e-2, resume: bool = False, max_minutes: float | None = None,
+                  flags: bool = False) -> None:
     """train_lm's options, checked before anything is loaded: a CaptError that names each bad one (flags=True:
     as the command line's flags, --max-steps for max_steps)."""
     name = (lambda k: "--" + k.replace("_", "-")) if flags else str
@@ -41,7 +42,9 @@ def check_options(out, max_steps: int = 500, eval_every: int = 50, patience: int
         ("eval_every", eval_every, isinstance(eval_every, int) and eval_every >= 1, "an integer >= 1"),
         ("patience", patience, isinstance(patience, int) and patience >= 1, "an integer >= 1"),
         ("batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1, "an integer >= 1"),
-        ("lr", lr, isinstance(lr, (int, float)) and 0 < lr <= 1, "0 < lr <= 1")] if not ok]
+        ("lr", lr, isinstance(lr, (int, float)) and 0 < lr <= 1, "0 < lr <= 1"),
+        ("max_minutes", max_minutes, max_minutes is None or isinstance(max_minutes, (int, float)) and max_minutes > 0,
+         "a number > 0, or none for no time limit")] if not ok]
     if bad:
         raise CaptError("out of range: " + "; ".join(bad))
     used = [n for n in ("capsule", "summary.json") if (Path(out) / n).exists()]
@@ -132,6 +135,45 @@ class Legs(TrainerCallback):
         (folder / self.FILE).write_text(json.dumps({"seconds": self.seconds(), "trained_on": self.trained_on}))
 
 
+class Events(TrainerCallback):
+    """`callback(event)` per step and per dev evaluation, shaped as capt.training.train's events ("step": loss,
+    throughput, ETA, best dev loss so far; "eval": {"dev": {"loss": ...}}); `stop()` and a time budget honoured
+    after each step: the run then ends, keeping the best capsule so far, as the app's Stop button expects."""
+
+    def __init__(self, callback=None, stop=None, batch_size: int = 8, max_seconds: float | None = None):
+        self.callback, self.stop, self.batch_size = callback or (lambda event: None), stop, batch_size
+        self.max_seconds, self.stopped_by = max_seconds, None
+        self.started = time.time()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started, self.first_step = time.time(), state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop is not None and self.stop():
+            self.stopped_by = "stop"
+        elif self.max_seconds is not None and time.time() - self.started >= self.max_seconds:
+            self.stopped_by = "max_minutes"
+        control.should_training_stop = control.should_training_stop or self.stopped_by is not None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:
+            return
+        spent, done = time.time() - self.started, state.global_step - self.first_step
+        rate = done / spent if spent > 0 else 0.0
+        self.callback({"kind": "step", "step": state.global_step, "total_steps": state.max_steps,
+                       "loss": logs["loss"], "lr": logs.get("learning_rate"),
+                       "examples_per_s": round(rate * self.batch_size, 3),
+                       "eta_s": round((state.max_steps - state.global_step) / rate, 1) if rate else 0.0,
+                       "elapsed_s": round(spent, 1), "best": state.best_metric})
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is not None:
+            self.callback({"kind": "eval", "step": state.global_step, "dev": {"loss": loss},
+                           "best": min(loss, state.best_metric) if state.best_metric is not None else loss,
+                           "improved": state.best_metric is None or loss < state.best_metric})
+
+
 class Collator:
     """Pads a batch of `encode` rows on the right: pads masked out and never scored."""
 
@@ -146,11 +188,15 @@ class Collator:
 
 def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: CapsuleConfig | None = None,
              max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
-             lr: float = 3e-2, seed: int = 0, resume: bool = False, command: str | None = None) -> dict:
+             lr: float = 3e-2, seed: int = 0, resume: bool = False, command: str | None = None,
+             callback=None, stop=None, max_minutes: float | None = None) -> dict:
     """Train a capsule on (prompt, completion) pairs; writes OUT/capsule, OUT/summary.json and OUT/trainer, and
     returns the summary. Constant learning rate (AdamW, no weight decay), the dev loss's best capsule kept;
-    resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill)."""
-    check_options(out, max_steps, eval_every, patience, batch_size, lr, resume)
+    resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill).
+    callback(event): each step and dev evaluation (`Events`); stop(): checked after each step, True ends the run
+    with the best capsule so far, as does max_minutes of training in this call (summary "stopped_by": "stop",
+    "max_minutes", "early stopping" or "max_steps")."""
+    check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes)
     config = config or CapsuleConfig()
     if len(pairs) < 2:
         raise CaptError(f"{len(pairs)} pair(s); training needs at least 2 (90 % train, 10 % dev)")
@@ -166,20 +212,28 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
         weight_decay=0.0, eval_strategy="steps", eval_steps=min(eval_every, max_steps),
         save_strategy="steps", save_steps=min(eval_every, max_steps), save_total_limit=2,
         load_best_model_at_end=True,
-        metric_for_best_model="eval_loss", greater_is_better=False, logging_steps=min(10, eval_every),
+        metric_for_best_model="eval_loss", greater_is_better=False,
+        logging_steps=1 if callback else min(10, eval_every), disable_tqdm=callback is not None,
         report_to=[], seed=seed, use_cpu=not on_gpu)
     last = last_checkpoint(out) if resume else None
     code = {**CODE, "machine": describe_machine(backbone.device)}
     legs = Legs(code, Path(last) if last else None)
+    events = Events(callback, stop, batch_size, max_minutes * 60 if max_minutes else None)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
                       data_collator=Collator(backbone.tokenizer.pad_token_id),
-                      callbacks=[EarlyStoppingCallback(early_stopping_patience=patience), legs])
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=patience), legs, events])
+    if callback is not None:   # the events carry the progress: no log lines on stdout
+        trainer.remove_callback(PrinterCallback)
     started = time.time()
     result = trainer.train(resume_from_checkpoint=last)
+    if not any("eval_loss" in h for h in trainer.state.log_history):   # stopped before the first evaluation
+        trainer.evaluate()                                              # the capsule it has, measured
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     best = min(evals, key=lambda h: h["eval_loss"]) if evals else None
     summary = {"command": command, "backbone": backbone.name, "n_train": len(train), "n_dev": len(dev),
                "n_prompts_cut": n_cut, "steps": trainer.state.global_step, "max_steps": max_steps,
+               "stopped_by": events.stopped_by or ("max_steps" if trainer.state.global_step >= max_steps
+                                                   else "early stopping"),
                "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],
                "dev_losses": {h["step"]: h["eval_loss"] for h in evals}, "train_loss": result.training_loss,
                "train_seconds": round(legs.seconds(), 1), "trained_on": legs.trained_on,

@@ -153,20 +153,25 @@ def loss_figure(steps: list[int], losses: list[float]) -> "object":
 
 
 def dev_figure(evals: list[dict], metric: str) -> "object":
-    """Dev metrics at each evaluation (percent); `evals` are training 'eval' events."""
+    """Dev metrics at each evaluation (percent; metric "loss", free-text training: the loss itself); `evals` are
+    training 'eval' events."""
     go = _go()
     fig = go.Figure()
     names = list(evals[0]["dev"]) if evals else [metric]
+    scale = 1 if metric == "loss" else 100
     for name in names:
-        fig.add_scatter(x=[e["step"] for e in evals], y=[100 * e["dev"][name] for e in evals],
+        fig.add_scatter(x=[e["step"] for e in evals], y=[scale * e["dev"][name] for e in evals],
                         mode="lines+markers", name=f"dev {name}")
     best = [e for e in evals if e.get("improved")]
     if best:
         b = best[-1]
-        fig.add_scatter(x=[b["step"]], y=[100 * b["dev"][metric]], mode="markers", name="best (kept)",
+        fig.add_scatter(x=[b["step"]], y=[scale * b["dev"][metric]], mode="markers", name="best (kept)",
                         marker={"symbol": "star", "size": 14, "color": WITH_COLOR})
     fig.update_xaxes(title="step", rangemode="tozero")
-    fig.update_yaxes(title="%", range=[0, 100])
+    if metric == "loss":
+        fig.update_yaxes(title="loss")
+    else:
+        fig.update_yaxes(title="%", range=[0, 100])
     return _layout(fig, f"Dev metrics (selection: {metric})", height=320, legend_below=True)
 
 
@@ -278,12 +283,13 @@ class TrainingCurves:
         if kind == "step":
             self.steps.append(event["step"])
             self.losses.append(event["loss"])
-            best = f" · best dev {self.metric} {100 * event['best']:.1f} %" if event.get("best") is not None else ""
+            best = "" if event.get("best") is None else f" · best dev {self.metric} " + (
+                f"{event['best']:.4f}" if self.metric == "loss" else f"{100 * event['best']:.1f} %")
             self.text = (f"step {event['step']}/{event['total_steps']} · loss {event['loss']:.4f} · "
                          f"{event['examples_per_s']:.1f} examples/s · ETA {_clock(event['eta_s'])}{best}")
         elif kind == "eval":
             self.evals.append(event)
-            self.metric = "f1a" if "f1a" in event["dev"] else "accuracy"
+            self.metric = next((m for m in ("loss", "f1a") if m in event["dev"]), "accuracy")
         elif kind == "info":   # the caller's own progress lines ("loading the backbone…")
             self.text = event["text"]
 

@@ -255,6 +255,36 @@ def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     assert not (tmp_path / "other").exists() and not (tmp_path / "one").exists()   # refused before anything
 
 
+def test_train_lm_reports_each_step_and_stops_within_one(tmp_path, capsys):
+    """train_lm's callback: one "step" event per step (loss, ETA, best dev loss so far) and one "eval" per dev
+    evaluation, nothing printed; stop() ends the run after the step it is set in, a time budget likewise, and
+    each says so in the summary ("stopped_by"), keeping the best dev loss's capsule."""
+    from capt.lm_training import train_lm
+
+    bb = tiny("tiny-llama")
+    pairs = [(f"say {w}:", f" {w} {w}") for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]]
+    events = []
+    summary = train_lm(bb, pairs, tmp_path / "all", max_steps=6, eval_every=2, batch_size=3, callback=events.append)
+    steps, evals = [e for e in events if e["kind"] == "step"], [e for e in events if e["kind"] == "eval"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4, 5, 6] and all(e["total_steps"] == 6 for e in steps)
+    assert [e["step"] for e in evals] == [2, 4, 6] and summary["stopped_by"] == "max_steps"
+    assert [e["dev"]["loss"] for e in evals] == [summary["dev_losses"][s] for s in (2, 4, 6)]
+    assert evals[-1]["best"] == summary["best_dev_loss"] and steps[-1]["eta_s"] == 0
+    assert [e["improved"] for e in evals] == [True] + [b["dev"]["loss"] < min(a["dev"]["loss"] for a in evals[:i + 1])
+                                                      for i, b in enumerate(evals[1:])]
+    assert "{'loss'" not in capsys.readouterr().out   # Trainer's own log lines are left out when events go out
+    seen = []
+    stopped = train_lm(bb, pairs, tmp_path / "stop", max_steps=50, eval_every=2, batch_size=3,
+                       callback=seen.append, stop=lambda: len([e for e in seen if e["kind"] == "step"]) >= 3)
+    assert (stopped["steps"], stopped["stopped_by"]) == (4, "stop")   # set during step 4's end: the run ends there
+    assert stopped["best_dev_loss"] == min(stopped["dev_losses"].values())
+    timed = train_lm(bb, pairs, tmp_path / "time", max_steps=50, eval_every=2, batch_size=3, max_minutes=1e-9)
+    assert (timed["steps"], timed["stopped_by"]) == (1, "max_minutes")
+    assert list(timed["dev_losses"]) == [1] and timed["best_step"] == 1   # ended before any evaluation: measured
+    with pytest.raises(capt.CaptError, match="out of range: max_minutes 0 "):
+        train_lm(bb, pairs, tmp_path / "zero", max_minutes=0)
+
+
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
 def test_the_lm_cli_batches_are_what_transformers_scores(arch):
     """train.lm's rows and batches: the completion (and an EOS after it) scored, the prompt and pads not; without

@@ -62,3 +62,17 @@ def test_watch_runs_the_job_in_the_callers_context_and_reports_its_events():
         raise ValueError("no such column 'label'")
     events = [e for batch in viz.TrainingCurves().watch(broken, on_error=lambda e: f"bad: {e}") for e in batch]
     assert events == [{"kind": "error", "text": "bad: no such column 'label'"}]
+
+
+def test_training_curves_show_a_dev_loss_as_a_loss():
+    """Free-text training (capt.lm_training) selects on the dev loss: the progress line and the dev figure show
+    the loss itself (lower is better), not a percentage."""
+    curves = viz.TrainingCurves()
+    curves.add({"kind": "eval", "step": 2, "dev": {"loss": 2.5}, "best": 2.5, "improved": True})
+    curves.add({"kind": "eval", "step": 4, "dev": {"loss": 1.23456}, "best": 1.23456, "improved": True})
+    curves.add({"kind": "step", "step": 5, "total_steps": 10, "loss": 1.5, "examples_per_s": 2.0, "eta_s": 10,
+                "best": 1.23456})
+    assert curves.metric == "loss" and curves.text.endswith("· best dev loss 1.2346")
+    fig = curves.figures()[1]
+    assert list(fig.data[0].y) == [2.5, 1.23456] and list(fig.data[1].y) == [1.23456]   # and the star on the kept
+    assert fig.layout.yaxis.title.text == "loss" and fig.layout.yaxis.range is None

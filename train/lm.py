@@ -35,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone", default="smollm2-135m", help="default %(default)s (embedded); a hub id or folder")
     p.add_argument("--out", required=True, help="the run's folder (capsule/, summary.json, trainer/)")
     p.add_argument("--max-steps", type=int, default=500, help="default %(default)s")
+    p.add_argument("--max-minutes", type=float, help="stop after this much training time (default: no limit)")
     p.add_argument("--eval-every", type=int, default=50,
                    help="steps between dev-loss evaluations and checkpoints (default %(default)s)")
     p.add_argument("--patience", type=int, default=10,
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     options = dict(max_steps=args.max_steps, eval_every=args.eval_every, patience=args.patience,
-                   batch_size=args.batch_size, lr=args.lr, resume=args.resume)
+                   batch_size=args.batch_size, lr=args.lr, resume=args.resume, max_minutes=args.max_minutes)
     try:   # every check before the backbone is loaded
         check_options(args.out, **options, flags=True)
         config = CapsuleConfig(fusion=args.fusion, placement=args.placement, layers=args.layers)
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cut = s["n_prompts_cut"]
-    print(f"{s['capsule_dir']}: {s['steps']} steps, best dev loss {s['best_dev_loss']:.4f} at step {s['best_step']} "
-          f"({s['n_train']} train / {s['n_dev']} dev rows"
+    print(f"{s['capsule_dir']}: {s['steps']} steps ({s['stopped_by']}), best dev loss {s['best_dev_loss']:.4f} at "
+          f"step {s['best_step']} ({s['n_train']} train / {s['n_dev']} dev rows"
           + (f"; {cut} prompt(s) cut at the start to fit {bb.name}'s {bb.max_length} tokens" if cut else "")
           + ")", file=sys.stderr)
     return 0
