@@ -44,6 +44,11 @@ PRESETS = {"quick: 20 steps": dict(max_steps=20, eval_every=10, max_dev=64, max_
            "long: 30 minutes": dict(max_minutes=30, eval_every=50, max_dev=256, max_test=512),
            "paper protocol (hours on CPU)": dict(eval_every=50)}
 OWN_FILE = "my file (CSV / JSONL)"
+OWN_TEXT = "my text: prompt → completion"   # free text: capt.lm_training.train_lm, a capsule and no task
+TEXT_PRESETS = {"quick: 20 steps": dict(max_steps=20, eval_every=10),   # python -m train.lm's budgets
+                "short: 5 minutes": dict(max_steps=100_000, max_minutes=5, eval_every=25),
+                "long: 30 minutes": dict(max_steps=100_000, max_minutes=30, eval_every=50),
+                "paper protocol (hours on CPU)": dict(max_steps=500, eval_every=50)}
 TRAIN_METHODS = {"capt": "CaPT (a capsule)", "deep-prompt-1": "deep prompt, 1 token per layer (no instance mean)",
                  "prompt-tuning": "PEFT prompt tuning (a soft prompt)", "p-tuning-v2": "PEFT P-tuning v2 (prefix)",
                  "linear-head": "linear head on the frozen backbone"}
@@ -344,35 +349,103 @@ def stop_training(session_id: str) -> str:
 
 def train_run(backbone: str, task: str, preset: str, session: dict, session_id: str = "local", **options):
     """Yields UI states (figures, progress, session; at the end the capsule, its zip and task) while a thread trains."""
-    state = dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, ""), error="",
-                 runs=viz.runs_table(session.get("runs", [])))
+    state = _initial_state(session)
     try:
         out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         cfg = train_config(backbone, task, preset, str(out), **options)
     except Exception as e:
         yield {**state, "error": viz.error_message(e)}
         return
-    stop, curves = StopFile(session_dir(session) / f"stop-{uuid.uuid4().hex}"), viz.TrainingCurves()
-    _STOPS[session_id] = stop
 
-    def work(emit):   # in a thread: each event also feeds the curves
+    def work(emit, stop):
         emit({"kind": "info", "text": "checking the data…"})
         prepare_data(cfg)   # a bad file fails here, before any backbone is loaded
         emit({"kind": "info", "text": f"loading backbone {cfg.backbone}, then training…"})
         bb = get_backbone(cfg.backbone)   # in the main process: a ZeroGPU worker forked after this inherits it
         emit({"kind": "finished", "summary": run_training(cfg, bb, emit, stop)})
+    yield from _stream_training(state, work, _finish, session, session_id)
 
+
+def _initial_state(session: dict) -> dict:
+    return dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, ""), error="",
+                runs=viz.runs_table(session.get("runs", [])))
+
+
+def _stream_training(state: dict, work, finish, session: dict, session_id: str):
+    """Run `work(emit, stop)` in a thread and yield the UI state as its events come: the live curves and progress
+    line, at the end `finish(summary, session)`'s updates or the error. The session's Stop button sets `stop`."""
+    stop, curves = StopFile(session_dir(session) / f"stop-{uuid.uuid4().hex}"), viz.TrainingCurves()
+    _STOPS[session_id] = stop
     try:
-        for batch in curves.watch(work, on_error=viz.error_message):
+        for batch in curves.watch(lambda emit: work(emit, stop), on_error=viz.error_message):
             state["progress"] = curves.text
             for ev in batch:
-                state.update(_finish(ev["summary"], session) if ev["kind"] == "finished" else
+                state.update(finish(ev["summary"], session) if ev["kind"] == "finished" else
                              {"error": ev["text"]} if ev["kind"] == "error" else {})
             state["loss"], state["dev"] = curves.figures()
             yield dict(state)
     finally:
         stop.set()   # a no-op after the end; if the page went away, the worker ends within one step
         _STOPS.pop(session_id, None)
+
+
+def train_text_run(backbone: str, preset: str, session: dict, session_id: str = "local", data_file: str | None = None,
+                   prompt_column: str = "prompt", completion_column: str = "completion", lr: float | None = None,
+                   max_steps: int | None = None, batch_size: int = 8, seed: int = 0, fusion: str = "add",
+                   placement: str = "slot", layers: str = "all", head: str = "verbalizer", method: str = "capt"):
+    """train_run for free text: a capsule trained on the prompt → completion rows of the user's file with the
+    backbone's own language-modelling loss (capt.lm_training.train_lm: the dev loss picks the capsule kept);
+    the same UI states, ending with the capsule selected for the generation view."""
+    state = _initial_state(session)
+    try:
+        if method != "capt":
+            raise CaptError(f"free text trains a CaPT capsule; {TRAIN_METHODS.get(method, method)} runs on a "
+                            "classification task or file: choose the method 'capt'")
+        if head != "verbalizer":
+            raise CaptError("free text is learned with the backbone's own language-modelling head: set head to "
+                            "'verbalizer' (a linear head scores a task's labels)")
+        if GPU is not None:
+            raise CaptError("free-text training is not split into ZeroGPU's time-boxed calls yet: train with "
+                            "python -m train.lm and upload the capsule's zip in the Predict tab")
+        if preset not in TEXT_PRESETS:
+            raise CaptError(f"unknown preset {preset!r}; valid: {', '.join(TEXT_PRESETS)}")
+        if not data_file:
+            raise CaptError("upload a CSV / JSONL / JSON file with a prompt and a completion column")
+        config = capt.CapsuleConfig(fusion=fusion, placement=placement, layers=str(layers or "all").strip())
+        budget = {**TEXT_PRESETS[preset], **({"max_steps": int(max_steps), "max_minutes": None} if max_steps else {})}
+        options = dict(batch_size=int(batch_size or 8), lr=float(lr) if lr else 3e-2, **budget)
+        columns = ((prompt_column or "").strip() or "prompt", (completion_column or "").strip() or "completion")
+        out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        from capt.lm_training import check_options, read_pairs, train_lm
+        check_options(out, **options)
+    except Exception as e:
+        yield {**state, "error": viz.error_message(e)}
+        return
+    name = canonical_name(backbone)
+
+    def work(emit, stop):
+        emit({"kind": "info", "text": "checking the data…"})
+        pairs = read_pairs(data_file, *columns)   # a bad file fails here, before any backbone is loaded
+        emit({"kind": "info", "text": f"loading backbone {name}, then training…"})
+        summary = train_lm(get_backbone(name), pairs, out, config, seed=int(seed or 0), callback=emit,
+                           stop=stop.is_set, command=f"the app's Train tab: {Path(data_file).name}, {preset}",
+                           **options)
+        emit({"kind": "finished", "summary": summary})
+    yield from _stream_training(state, work, _finish_text, session, session_id)
+
+
+def _finish_text(summary: dict, session: dict) -> dict:
+    """Register a finished free-text run: its capsule joins the session's list, selected, with its zip."""
+    path = Path(summary["capsule_dir"])
+    session.setdefault("runs", []).append(viz.lm_run_row(summary, time.strftime("%H:%M:%S")))
+    session["capsules"].append({"label": f"trained: free text · {summary['steps']} steps · dev loss "
+                                         f"{summary['best_dev_loss']:.3f} · {time.strftime('%H:%M')}",
+                                "path": str(path), "backbone": summary["backbone"]})
+    name = f"capt-{summary['backbone'].replace('/', '_')}-free-text-{path.parent.name}"
+    return {"progress": viz.lm_summary_markdown(summary) + " The capsule is now selected: try it in the Predict "
+                        "tab's generation view with your own prompt.",
+            "capsule": str(path), "zip": str(export_zip(path, path.parent / f"{name}.zip")),
+            "runs": viz.runs_table(session["runs"])}
 
 
 def train_chunk(cfg: TrainConfig, resume: bool, stop: StopFile):
@@ -496,10 +569,17 @@ def build_demo():
         session, value, err = upload_capsule(zip_path, hub_id or backbone, session)
         return session, gr.update(choices=capsule_choices(hub_id or backbone, session), value=value or NONE), toast(err)
 
-    def on_train(request: gr.Request, source, task_name, session, data_file=None, **kw):
-        own, bb = source == OWN_FILE, canonical_name(kw["backbone"])
-        kw.update(task=task_name if own else kw["task"], data_file=data_file if own else None)
-        for s in train_run(session=session, session_id=request.session_hash or "api", **kw):
+    def on_train(request: gr.Request, source, task_name, session, data_file=None, prompt_column="prompt",
+                 completion_column="completion", **kw):
+        own, bb, sid = source == OWN_FILE, canonical_name(kw["backbone"]), request.session_hash or "api"
+        if source == OWN_TEXT:
+            runs = train_text_run(session=session, session_id=sid, data_file=data_file, prompt_column=prompt_column,
+                                  completion_column=completion_column, **{k: v for k, v in kw.items() if k not in (
+                                      "task", "hub_dataset", "columns", "label_column", "label_words")})
+        else:
+            kw.update(task=task_name if own else kw["task"], data_file=data_file if own else None)
+            runs = train_run(session=session, session_id=sid, **kw)
+        for s in runs:
             picks = (bb if bb in BACKBONES else gr.skip(), "" if bb in BACKBONES else bb, gr.update(
                 choices=capsule_choices(bb, s["session"]), value=s["capsule"]), s["task"][0] or gr.skip(),
                 s["task"][1] or gr.skip()) if s["capsule"] else (gr.skip(),) * 5
@@ -583,7 +663,8 @@ def build_demo():
                     t = dict(backbone=gr.Dropdown(BACKBONES, value=DEFAULT, label="Backbone", allow_custom_value=True),
                              method=gr.Dropdown([(v, k) for k, v in TRAIN_METHODS.items()], value="capt",
                                                 label="Method", info="a baseline on the same data: compare below"),
-                             source=gr.Radio(["built-in task", OWN_FILE], value="built-in task", label="Data"),
+                             source=gr.Radio(["built-in task", OWN_FILE, OWN_TEXT], value="built-in task",
+                                             label="Data", info="a task's labels, or free text for generation"),
                              task=gr.Dropdown(list(capt.TASKS), value="cb", label="Task"),
                              hub_dataset=gr.Textbox("", label="…its data from a Hub dataset id (optional)",
                                                     placeholder="aps/super_glue",
@@ -594,7 +675,11 @@ def build_demo():
                              task_name=gr.Textbox(label="task name", value="custom"),
                              columns=gr.Textbox("", label="input column(s)", placeholder="text · a, b · review=text"),
                              label_column=gr.Textbox(label="label column", value="label"),
-                             label_words=gr.Textbox("", label="label words", placeholder="pos=good, neg=bad"))
+                             label_words=gr.Textbox("", label="label words", placeholder="pos=good, neg=bad"),
+                             prompt_column=gr.Textbox("prompt", label="prompt column", visible=False,
+                                                      info="what the capsule reads"),
+                             completion_column=gr.Textbox("completion", label="completion column", visible=False,
+                                                          info="what it learns to write after the prompt"))
                 with gr.Accordion("Advanced", open=False), gr.Row():
                     t.update(lr=gr.Number(0, label="learning rate (0: the method's default)"),
                              seed=gr.Number(0, precision=0, label="seed"),
@@ -648,8 +733,13 @@ def build_demo():
                     **private)
         example_event = example_btn.click(on_example, task, [*boxes.values(), note, picked], **private)
         zip_up.upload(on_upload, [zip_up, backbone, hub_id, session], [session, capsule, err], **private)
-        t["source"].change(lambda s: (gr.update(visible=s == OWN_FILE), *[gr.update(visible=s != OWN_FILE)] * 2),
-                           t["source"], [file_row, t["task"], t["hub_dataset"]], **private)
+        labelled, text = [t[k] for k in ("task_name", "columns", "label_column", "label_words")], [
+            t["prompt_column"], t["completion_column"]]
+        t["source"].change(lambda s: (gr.update(visible=s != "built-in task"),
+                                      *[gr.update(visible=s == "built-in task")] * 2,
+                                      *[gr.update(visible=s == OWN_FILE)] * len(labelled),
+                                      *[gr.update(visible=s == OWN_TEXT)] * len(text)),
+                           t["source"], [file_row, t["task"], t["hub_dataset"], *labelled, *text], **private)
         for tab, show in ((tab_predict, True), (tab_attn, True), (tab_train, False), (tab_api, False)):
             tab.select(lambda show=show, tab=tab: (gr.update(visible=show), tab is tab_attn), None,
                        [inputs_col, on_attention_tab], **private)

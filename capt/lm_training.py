@@ -150,7 +150,7 @@ class Events(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stop is not None and self.stop():
-            self.stopped_by = "stop"
+            self.stopped_by = "stop requested"
         elif self.max_seconds is not None and time.time() - self.started >= self.max_seconds:
             self.stopped_by = "max_minutes"
         control.should_training_stop = control.should_training_stop or self.stopped_by is not None
@@ -194,7 +194,7 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     returns the summary. Constant learning rate (AdamW, no weight decay), the dev loss's best capsule kept;
     resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill).
     callback(event): each step and dev evaluation (`Events`); stop(): checked after each step, True ends the run
-    with the best capsule so far, as does max_minutes of training in this call (summary "stopped_by": "stop",
+    with the best capsule so far, as does max_minutes of training in this call (summary "stopped_by": "stop requested",
     "max_minutes", "early stopping" or "max_steps")."""
     check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes)
     config = config or CapsuleConfig()

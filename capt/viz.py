@@ -386,6 +386,15 @@ def summary_markdown(summary: dict) -> str:
             f"Data: {summary['data']}.{answers_sentence(summary)}")
 
 
+def lm_summary_markdown(summary: dict) -> str:
+    """One paragraph on a finished free-text run (`capt.lm_training.train_lm`'s summary)."""
+    cut = summary.get("n_prompts_cut")
+    return (f"**Done** ({summary['stopped_by']}): {summary['steps']} steps in {summary['train_seconds']:.0f} s, best "
+            f"dev loss {summary['best_dev_loss']:.4f} at step {summary['best_step']} ({summary['n_train']} train / "
+            f"{summary['n_dev']} dev rows{f'; {cut} prompt(s) cut at the start to fit' if cut else ''}). "
+            f"{summary['n_trainable']:,} trainable parameters.")
+
+
 def counts_text(counts: dict) -> str:
     """`capt.training.label_counts` in one line: 'gold (how many) → n answer, n answer; ...'."""
     return "; ".join(f"{g} ({sum(row.values())}) → " + ", ".join(f"{n} {p}" for p, n in row.items())
@@ -429,6 +438,13 @@ def run_row(summary: dict, when: str = "") -> dict:
                 n_test=summary["n_test"],
                 test=" · ".join(f"{k} {100 * v:.1f} %" for k, v in summary["test"].items()),
                 bar=f"'{bar[0]}' {100 * bar[1]:.1f} %" if bar else "")
+
+
+def lm_run_row(summary: dict, when: str = "") -> dict:
+    """`run_row` for a free-text run: no test split, so its column shows the best dev loss."""
+    return dict(time=when, task="free text", method="capt", backbone=summary["backbone"],
+                n_trainable=summary["n_trainable"], steps=summary["steps"], seconds=summary["train_seconds"],
+                n_test=0, test=f"dev loss {summary['best_dev_loss']:.4f} ({summary['n_dev']} rows)", bar="")
 
 
 def runs_table(rows: list[dict]) -> str:

@@ -125,6 +125,59 @@ def test_a_free_text_capsule_uploads_and_generates_after_your_own_prompt(tmp_pat
     assert err == "" and f"```text\n{capt.get_task('cb').render(CB, bb.style).prompt}\n```" in text
 
 
+def write_pairs(path, prompt="q", completion="a"):
+    path.write_text("".join(json.dumps({prompt: f"say {w}:", completion: f" {w} {w}"}) + "\n"
+                            for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]))
+    return str(path)
+
+
+def test_free_text_trains_in_the_browser_and_generates(tmp_path):
+    """The Train tab's free-text source: a prompt → completion file trains a capsule (capt.lm_training, live
+    curves on the dev loss), selected at once and zipped; it joins the session's table and continues your own
+    prompt in the generation view; Stop ends it within one step; bad choices are messages before any training."""
+    session = new_session(tmp_path)
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    states = list(app.train_text_run(BB, "quick: 20 steps", session, session_id="text", data_file=data,
+                                     prompt_column="q", completion_column="a", max_steps=3))
+    final = states[-1]
+    assert final["error"] == "" and final["progress"].startswith("**Done** (max_steps): 3 steps in ")
+    assert "best dev loss" in final["progress"] and "(9 train / 1 dev rows)" in final["progress"]
+    assert list(final["loss"].data[0].x) == [1, 2, 3]   # a loss point per step (the live line: the Stop part below)
+    assert final["dev"].layout.yaxis.title.text == "loss"
+    path = final["capsule"]
+    entry = session["capsules"][-1]
+    assert entry["path"] == path and "trained: free text · 3 steps" in entry["label"]
+    with zipfile.ZipFile(final["zip"]) as z:
+        assert sorted(n for n in z.namelist() if not n.endswith("/")) == ["capsule/capsule.json",
+                                                                           "capsule/capsule.safetensors"]
+    assert "| free text | capt | tiny-llama |" in final["runs"] and "dev loss" in final["runs"]
+    text, err = app.generate_view(BB, path, "rte", session=session, max_new_tokens=3, own_prompt="say cat:")
+    bb = app.get_backbone(BB)
+    mine = capt.generate(bb, "say cat:", capsule=capt.load_capsule(path, bb)[0], max_new_tokens=3)
+    assert err == "" and f"**With capsule** (computed once, in the prefill over the prompt)\n\n```text\n{mine.text}" \
+        in text
+
+    stopping = app.train_text_run(BB, "paper protocol (hours on CPU)", session, session_id="text2", data_file=data,
+                                  prompt_column="q", completion_column="a", batch_size=2)
+    for s in stopping:
+        if s["progress"].startswith("step "):
+            assert app.stop_training("text2").startswith("Stopping after this step")
+            break
+    final = list(stopping)[-1]
+    steps = int(re.search(r"\*\*Done\*\* \(stop requested\): (\d+) steps", final["progress"]).group(1))
+    assert final["error"] == "" and steps < 500 and os.path.isdir(final["capsule"]) and "text2" not in app._STOPS
+
+    for kw, message in [(dict(method="p-tuning-v2"), "free text trains a CaPT capsule"),
+                        (dict(head="linear"), "set head to 'verbalizer'"),
+                        (dict(data_file=None), "upload a CSV / JSONL / JSON file"),
+                        (dict(completion_column="answer"), r"lacks columns \['answer'\]"),
+                        (dict(lr=5), "out of range: lr 5.0"),
+                        (dict(preset="fast"), "unknown preset 'fast'")]:
+        args = {"data_file": data, "prompt_column": "q", "completion_column": "a", "preset": "quick: 20 steps", **kw}
+        out = list(app.train_text_run(BB, session=session, session_id="bad", **args))
+        assert out[-1]["capsule"] is None and re.search(message, out[-1]["error"]), (kw, out[-1]["error"])
+
+
 def test_attention_with_and_without_the_capsule(trained):
     session, states = trained
     *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", layer=1, head=2, session=session, **CB)
@@ -265,7 +318,7 @@ def test_a_wic_val_example_keeps_its_word_span():
 
 
 def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
-    from gradio_client import Client
+    from gradio_client import Client, handle_file
 
     monkeypatch.setattr(app, "WORK_DIR", tmp_path / "sessions")   # the server's per-session folders
     url = serve(app.build_demo())
@@ -295,6 +348,12 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
         text, err = client.predict(backbone=BB, capsule=path, task="cb", own_prompt="Once upon a time",
                                    max_new_tokens=3, api_name="/generate")
         assert err == "" and text.startswith("**Prompt**\n\n```text\nOnce upon a time\n```")
+        out = client.predict(backbone=BB, source=app.OWN_TEXT, data_file=handle_file(write_pairs(tmp_path / "p.jsonl")),
+                             prompt_column="q", completion_column="a", preset="quick: 20 steps", max_steps=2,
+                             api_name="/train")   # free text through the same endpoint: its own columns
+        progress, err, capsule = out[2], out[3], out[7]
+        assert err == "" and progress.startswith("**Done** (max_steps): 2 steps")
+        assert "free text" in capsule["choices"][-1][0]
         # another client is another session: it cannot read the first one's capsule
         other = Client(url, verbose=False)
         assert "unknown capsule" in other.predict(backbone=BB, capsule=path, task="cb", premise="a", hypothesis="b",

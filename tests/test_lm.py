@@ -276,7 +276,7 @@ def test_train_lm_reports_each_step_and_stops_within_one(tmp_path, capsys):
     seen = []
     stopped = train_lm(bb, pairs, tmp_path / "stop", max_steps=50, eval_every=2, batch_size=3,
                        callback=seen.append, stop=lambda: len([e for e in seen if e["kind"] == "step"]) >= 3)
-    assert (stopped["steps"], stopped["stopped_by"]) == (4, "stop")   # set during step 4's end: the run ends there
+    assert (stopped["steps"], stopped["stopped_by"]) == (4, "stop requested")   # set during step 4's end: the run ends there
     assert stopped["best_dev_loss"] == min(stopped["dev_losses"].values())
     timed = train_lm(bb, pairs, tmp_path / "time", max_steps=50, eval_every=2, batch_size=3, max_minutes=1e-9)
     assert (timed["steps"], timed["stopped_by"]) == (1, "max_minutes")
