@@ -281,6 +281,45 @@ def test_train_then_stop_keeps_the_best_capsule(page, tmp_path):
     no_trouble(page)
 
 
+def test_free_text_trains_and_continues_your_own_prompt(page, tmp_path):
+    """The Train tab's free-text source: its own column boxes (the task's label boxes hidden), a prompt →
+    completion file trained, and the new capsule continuing your own prompt in Predict's generation view."""
+    page.get_by_role("tab", name="Train", exact=True).click()
+    view = panel(page)
+    view.get_by_role("radio", name="my text: prompt → completion").check()
+    for box in ("prompt", "completion"):   # the box's name: its label, then its info line
+        expect(view.get_by_role("textbox", name=re.compile(f"^{box} column "))).to_have_value(box)
+    expect(field(view, "label words")).to_have_count(0)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(f'{{"prompt": "say {w}:", "completion": " {w} {w}"}}\n'
+                            for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]))
+    block(view, "CSV / JSONL / JSON").locator("input[type=file]").set_input_files(str(data))
+    expect(block(view, "CSV / JSONL / JSON").get_by_role("cell", name="pairs.jsonl")).to_be_visible(timeout=SLOW)
+    steps = view.get_by_label("max steps (0: the preset's)")
+    if not steps.is_visible():   # the Advanced accordion, open or not after the test before
+        view.get_by_text("Advanced", exact=True).click()
+    fill_until_kept(steps, "3")
+    view.get_by_role("button", name="Train", exact=True).click()
+    done = view.get_by_text(re.compile(r"^Done \(max_steps\): 3 steps in \d+ s, best dev loss \d+\.\d+ at step \d+"))
+    shows(page, done)
+    expect(done).to_contain_text("try it in the Predict tab's generation view with your own prompt")
+    expect(chart(view, "dev")).to_contain_text("selection: loss")
+
+    page.get_by_role("tab", name="Predict", exact=True).click()
+    view = panel(page)
+    expect(field(page, "Capsule")).to_have_value(re.compile(r"^trained: free text · 3 steps"))
+    own = view.get_by_role("textbox", name=re.compile(r"^your own prompt \(optional\) "))
+    if not own.is_visible():
+        view.get_by_text("What the backbone writes after the prompt", exact=False).click()
+    fill_until_kept(own, "say cat:")
+    view.get_by_role("button", name="Generate", exact=True).click()
+    expect(view.get_by_text(re.compile(r"^With capsule \(computed once"))).to_be_visible(timeout=SLOW)
+    expect(view.locator("code").filter(has_text="say cat:").first).to_be_visible()   # the prompt shown as typed
+    no_trouble(page)
+    page.get_by_role("tab", name="Train", exact=True).click()
+    panel(page).get_by_role("radio", name="built-in task").check()   # as the page was
+
+
 def test_an_upload_over_the_limit_is_refused_with_a_message(page, tmp_path):
     """A 2 MB 'capsule' against the 1 MB limit the server was started with: a message, and the page works on."""
     page.get_by_role("tab", name="Predict", exact=True).click()
