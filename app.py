@@ -239,8 +239,8 @@ def generate_view(backbone: str, capsule: str = NONE, task: str = "rte", session
                   hub_id: str = "", picked: dict | None = None, max_new_tokens: int = 24, own_prompt: str = "",
                   **fields):
     """(markdown, error message): what the backbone writes after the example's prompt (greedy, capt.generate),
-    or after `own_prompt` as typed when it is not empty (what a free-text capsule from `python -m train.lm` is
-    for), without and with the capsule. Prediction itself never generates; this shows what else the capsule
+    or after `own_prompt` as typed when it is not empty (what a capsule trained on free text is for: the Train
+    tab's or `python -m train.lm`'s), without and with the capsule. Prediction itself never generates; this shows what else the capsule
     changes."""
     try:
         if (own_prompt or "").strip():
@@ -631,7 +631,7 @@ def build_demo():
                         gen_btn = gr.Button("Generate", size="sm")
                     own_prompt = gr.Textbox("", label="your own prompt (optional)", lines=2,
                                             info="generate after this text as typed, instead of the task's prompt "
-                                                 "(e.g. for a capsule trained on free text with python -m train.lm)")
+                                                 "(e.g. for a capsule trained on free text)")
                     gen_md = gr.Markdown()
             with gr.Tab("Attention") as tab_attn:
                 with gr.Row():

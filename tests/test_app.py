@@ -131,7 +131,7 @@ def write_pairs(path, prompt="q", completion="a"):
     return str(path)
 
 
-def test_free_text_trains_in_the_browser_and_generates(tmp_path):
+def test_free_text_trains_in_the_browser_and_generates(tmp_path, monkeypatch):
     """The Train tab's free-text source: a prompt → completion file trains a capsule (capt.lm_training, live
     curves on the dev loss), selected at once and zipped; it joins the session's table and continues your own
     prompt in the generation view; Stop ends it within one step; bad choices are messages before any training."""
@@ -176,6 +176,9 @@ def test_free_text_trains_in_the_browser_and_generates(tmp_path):
         args = {"data_file": data, "prompt_column": "q", "completion_column": "a", "preset": "quick: 20 steps", **kw}
         out = list(app.train_text_run(BB, session=session, session_id="bad", **args))
         assert out[-1]["capsule"] is None and re.search(message, out[-1]["error"]), (kw, out[-1]["error"])
+    monkeypatch.setattr(app, "GPU", fake_zerogpu.GPU)   # on ZeroGPU: what to do instead
+    out = list(app.train_text_run(BB, "quick: 20 steps", session, session_id="gpu", data_file=data))
+    assert "python -m train.lm and upload the capsule's zip" in out[-1]["error"]
 
 
 def test_attention_with_and_without_the_capsule(trained):

@@ -308,7 +308,7 @@ def test_free_text_trains_and_continues_your_own_prompt(page, tmp_path):
     page.get_by_role("tab", name="Predict", exact=True).click()
     view = panel(page)
     expect(field(page, "Capsule")).to_have_value(re.compile(r"^trained: free text · 3 steps"))
-    own = view.get_by_role("textbox", name=re.compile(r"^your own prompt \(optional\) "))
+    own = view.get_by_role("textbox", name=re.compile(r"^your own prompt \(optional\) generate after"))
     if not own.is_visible():
         view.get_by_text("What the backbone writes after the prompt", exact=False).click()
     fill_until_kept(own, "say cat:")
