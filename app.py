@@ -240,8 +240,8 @@ def generate_view(backbone: str, capsule: str = NONE, task: str = "rte", session
                   **fields):
     """(markdown, error message): what the backbone writes after the example's prompt (greedy, capt.generate),
     or after `own_prompt` as typed when it is not empty (what a capsule trained on free text is for: the Train
-    tab's or `python -m train.lm`'s), without and with the capsule. Prediction itself never generates; this shows what else the capsule
-    changes."""
+    tab's or `python -m train.lm`'s), without and with the capsule. Prediction itself never generates; this shows
+    what else the capsule changes."""
     try:
         if (own_prompt or "").strip():
             bb, cap, _, notes = resolve(hub_id or backbone, capsule, "rte" if task == CUSTOM else task, session)

@@ -194,8 +194,8 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     returns the summary. Constant learning rate (AdamW, no weight decay), the dev loss's best capsule kept;
     resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill).
     callback(event): each step and dev evaluation (`Events`); stop(): checked after each step, True ends the run
-    with the best capsule so far, as does max_minutes of training in this call (summary "stopped_by": "stop requested",
-    "max_minutes", "early stopping" or "max_steps")."""
+    with the best capsule so far, as does max_minutes of training in this call (summary "stopped_by": "stop
+    requested", "max_minutes", "early stopping" or "max_steps")."""
     check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes)
     config = config or CapsuleConfig()
     if len(pairs) < 2:

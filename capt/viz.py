@@ -363,9 +363,9 @@ def capsule_markdown(capsule, backbone) -> str:
             f"| capsule / backbone | {rep['share_percent']:.4f} % |\n\nOptions: fusion `{cfg.fusion}` · placement "
             f"`{cfg.placement}` · layers `{cfg.layers}` · head `{cfg.head}`: a capsule on {len(capsule.layer_ids)} "
             f"of {backbone.n_layers} layers, d = {backbone.hidden_size}")
-    if tr and "best_dev_loss" in tr:   # `python -m train.lm`: free text, no task and no test split
+    if tr and "best_dev_loss" in tr:   # capt.lm_training: free text, no task and no test split
         loss = tr["best_dev_loss"]
-        text += (f"\n\nTrained on free text (`python -m train.lm`, {tr.get('n_train')} prompt → completion rows): "
+        text += (f"\n\nTrained on free text ({tr.get('n_train')} prompt → completion rows): "
                  f"{tr.get('steps')} steps, best dev loss "
                  f"{'n/a' if loss is None else f'{loss:.4f}'} at step {tr.get('best_step')}; no task, so "
                  "no label scores: try it in the generation view with your own prompt")

@@ -113,7 +113,7 @@ def test_a_free_text_capsule_uploads_and_generates_after_your_own_prompt(tmp_pat
     session, path, msg = app.upload_capsule(str(export_zip(tmp_path / "run" / "capsule")), BB, session)
     assert msg == "" and "(no task)" in session["capsules"][-1]["label"]
     report = app.predict_view(BB, path, "rte", session=session, **CB)[1]
-    assert "Trained on free text (`python -m train.lm`, 9 prompt → completion rows): 2 steps, best dev loss" in report
+    assert "Trained on free text (9 prompt → completion rows): 2 steps, best dev loss" in report
     bb = app.get_backbone(BB)
     cap, task = capt.load_capsule(path, bb)
     bare, mine = (capt.generate(bb, "say cat:", capsule=c, max_new_tokens=3) for c in (None, cap))
