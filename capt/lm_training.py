@@ -19,13 +19,14 @@ import random
 import time
 from pathlib import Path
 
+import torch
 from transformers import EarlyStoppingCallback, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from .backbones import Backbone
 from .config import CapsuleConfig
 from .errors import CaptError
-from .lm import IGNORE, CapsuleLM
+from .lm import IGNORE, CapsuleLM, lm_loss
 from .scoring import encode_prompts, pad
 from .tasks import read_records
 from .training import CODE, describe_machine
@@ -186,6 +187,17 @@ class Collator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(lmask == 0, IGNORE)}
 
 
+def dev_loss(backbone: Backbone, capsule, rows: list[dict], batch_size: int = 8) -> float:
+    """The dev loss as Trainer's evaluation gives it (each batch's mean token loss, weighted by its rows), for
+    any capsule or none (capsule=None: the backbone alone, the bar a trained capsule is measured against)."""
+    collate, total = Collator(backbone.tokenizer.pad_token_id), 0.0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            batch = rows[i:i + batch_size]
+            total += lm_loss(backbone, capsule, **collate(batch)).loss.item() * len(batch)
+    return total / len(rows)
+
+
 def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: CapsuleConfig | None = None,
              max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
              lr: float = 3e-2, seed: int = 0, resume: bool = False, command: str | None = None,
@@ -203,6 +215,7 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     rows = [encode(backbone, config.n_slots, p, c) for p, c in pairs]
     n_cut = sum(r.pop("cut") > 0 for r in rows)
     train, dev = split(rows, seed)
+    bare = dev_loss(backbone, None, dev, batch_size)
     model = CapsuleLM(backbone, config=config, seed=seed)
     out = Path(out)
     on_gpu = backbone.device.type == "cuda"
@@ -235,6 +248,7 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
                "stopped_by": events.stopped_by or ("max_steps" if trainer.state.global_step >= max_steps
                                                    else "early stopping"),
                "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],
+               "bare_dev_loss": bare,
                "dev_losses": {h["step"]: h["eval_loss"] for h in evals}, "train_loss": result.training_loss,
                "train_seconds": round(legs.seconds(), 1), "trained_on": legs.trained_on,
                "wall_seconds": round(time.time() - started, 1), "n_trainable": model.capsule.n_capsule_params(),

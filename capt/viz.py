@@ -364,11 +364,10 @@ def capsule_markdown(capsule, backbone) -> str:
             f"`{cfg.placement}` · layers `{cfg.layers}` · head `{cfg.head}`: a capsule on {len(capsule.layer_ids)} "
             f"of {backbone.n_layers} layers, d = {backbone.hidden_size}")
     if tr and "best_dev_loss" in tr:   # capt.lm_training: free text, no task and no test split
-        loss = tr["best_dev_loss"]
-        text += (f"\n\nTrained on free text ({tr.get('n_train')} prompt → completion rows): "
-                 f"{tr.get('steps')} steps, best dev loss "
-                 f"{'n/a' if loss is None else f'{loss:.4f}'} at step {tr.get('best_step')}; no task, so "
-                 "no label scores: try it in the generation view with your own prompt")
+        bare = f" (the backbone alone: {tr['bare_dev_loss']:.4f})" if tr.get("bare_dev_loss") else ""
+        text += (f"\n\nTrained on free text ({tr.get('n_train')} prompt → completion rows): {tr.get('steps')} steps, "
+                 f"best dev loss {tr['best_dev_loss']:.4f} at step {tr.get('best_step')}{bare}; no task, so no label "
+                 "scores: try it in the generation view with your own prompt")
     elif tr:
         scores = ", ".join(f"{k} {100 * v:.1f} %" for k, v in (capsule.meta.get("metrics") or {}).items())
         text += (f"\n\nTrained on `{tr.get('task')}`: {tr.get('steps')} steps ({tr.get('stopped_by')}); test "
@@ -390,7 +389,8 @@ def lm_summary_markdown(summary: dict) -> str:
     """One paragraph on a finished free-text run (`capt.lm_training.train_lm`'s summary)."""
     cut = summary.get("n_prompts_cut")
     return (f"**Done** ({summary['stopped_by']}): {summary['steps']} steps in {summary['train_seconds']:.0f} s, best "
-            f"dev loss {summary['best_dev_loss']:.4f} at step {summary['best_step']} ({summary['n_train']} train / "
+            f"dev loss {summary['best_dev_loss']:.4f} at step {summary['best_step']}, the backbone alone "
+            f"{summary['bare_dev_loss']:.4f} ({summary['n_train']} train / "
             f"{summary['n_dev']} dev rows{f'; {cut} prompt(s) cut at the start to fit' if cut else ''}). "
             f"{summary['n_trainable']:,} trainable parameters.")
 
@@ -444,7 +444,8 @@ def lm_run_row(summary: dict, when: str = "") -> dict:
     """`run_row` for a free-text run: no test split, so its column shows the best dev loss."""
     return dict(time=when, task="free text", method="capt", backbone=summary["backbone"],
                 n_trainable=summary["n_trainable"], steps=summary["steps"], seconds=summary["train_seconds"],
-                n_test=0, test=f"dev loss {summary['best_dev_loss']:.4f} ({summary['n_dev']} rows)", bar="")
+                n_test=0, test=f"dev loss {summary['best_dev_loss']:.4f}, alone {summary['bare_dev_loss']:.4f} "
+                               f"({summary['n_dev']} rows)", bar="")
 
 
 def runs_table(rows: list[dict]) -> str:

@@ -113,7 +113,8 @@ def test_a_free_text_capsule_uploads_and_generates_after_your_own_prompt(tmp_pat
     session, path, msg = app.upload_capsule(str(export_zip(tmp_path / "run" / "capsule")), BB, session)
     assert msg == "" and "(no task)" in session["capsules"][-1]["label"]
     report = app.predict_view(BB, path, "rte", session=session, **CB)[1]
-    assert "Trained on free text (9 prompt → completion rows): 2 steps, best dev loss" in report
+    assert re.search(r"Trained on free text \(9 prompt → completion rows\): 2 steps, best dev loss \d\.\d{4} at step 2 "
+                     r"\(the backbone alone: \d\.\d{4}\)", report)
     bb = app.get_backbone(BB)
     cap, task = capt.load_capsule(path, bb)
     bare, mine = (capt.generate(bb, "say cat:", capsule=c, max_new_tokens=3) for c in (None, cap))
@@ -141,7 +142,8 @@ def test_free_text_trains_in_the_browser_and_generates(tmp_path, monkeypatch):
                                      prompt_column="q", completion_column="a", max_steps=3))
     final = states[-1]
     assert final["error"] == "" and final["progress"].startswith("**Done** (max_steps): 3 steps in ")
-    assert "best dev loss" in final["progress"] and "(9 train / 1 dev rows)" in final["progress"]
+    assert re.search(r"best dev loss \d\.\d{4} at step \d, the backbone alone \d\.\d{4} \(9 train / 1 dev rows\)",
+                     final["progress"])
     assert list(final["loss"].data[0].x) == [1, 2, 3]   # a loss point per step (the live line: the Stop part below)
     assert final["dev"].layout.yaxis.title.text == "loss"
     path = final["capsule"]

@@ -226,21 +226,23 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
 def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     """capt.lm_training.train_lm, what python -m train.lm calls: pairs in, a loadable capsule folder and the
-    summary out (the capsule kept scores the best dev loss); bad options are refused before any training, named as
-    the library's parameters (the CLI names its flags)."""
-    from capt.lm_training import Collator, check_options, encode, split, train_lm
+    summary out: the capsule kept scores the best dev loss (as Trainer evaluates it, over batches of unequal size:
+    dev_loss), beside the backbone alone's; bad options are refused before any training, named as the library's
+    parameters (the CLI names its flags)."""
+    from capt.lm_training import check_options, dev_loss, encode, split, train_lm
 
     bb = tiny(arch)
-    pairs = [(f"say {w}:", f" {w} {w}") for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]]
+    pairs = [(f"say {w}{i}:", f" {w} {w}") for i in range(3) for w in ["cat", "dog", "sun", "tree", "sea", "sky",
+                                                                       "hat", "cup", "pen", "box"]]
     summary = train_lm(bb, pairs, tmp_path / "run", capt.CapsuleConfig(layers="odd"), max_steps=4, eval_every=2,
-                       batch_size=3)
-    assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["command"]) == (4, 9, 1, None)
+                       batch_size=2)
+    assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["command"]) == (4, 27, 3, None)
     capsule, task = capt.load_capsule(summary["capsule_dir"], bb)
     assert task is None and capsule.config.layers == "odd" and capsule.layer_ids == [0, 2]
-    dev = Collator(bb.tokenizer.pad_token_id)([{k: v for k, v in r.items() if k != "cut"}
-                                               for r in split([encode(bb, 1, p, c) for p, c in pairs], 0)[1]])
-    with torch.no_grad():
-        assert lm_loss(bb, capsule, **dev).loss.item() == pytest.approx(summary["best_dev_loss"], rel=1e-5)
+    dev = [{k: v for k, v in r.items() if k != "cut"} for r in split([encode(bb, 1, p, c) for p, c in pairs], 0)[1]]
+    assert dev_loss(bb, capsule, dev, 2) == pytest.approx(summary["best_dev_loss"], rel=1e-5)   # batches of 2 and 1
+    assert dev_loss(bb, None, dev, 2) == pytest.approx(summary["bare_dev_loss"], rel=1e-6)
+    assert summary["bare_dev_loss"] != pytest.approx(summary["best_dev_loss"], rel=1e-3)
     for kwargs, message in [(dict(lr=0), r"out of range: lr 0 \(valid: 0 < lr <= 1\)"),
                             (dict(max_steps=0, patience=0), "max_steps 0 .*; patience 0"),
                             (dict(resume=True), "resume: no checkpoint in")]:

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cut = s["n_prompts_cut"]
     print(f"{s['capsule_dir']}: {s['steps']} steps ({s['stopped_by']}), best dev loss {s['best_dev_loss']:.4f} at "
-          f"step {s['best_step']} ({s['n_train']} train / {s['n_dev']} dev rows"
+          f"step {s['best_step']}, the backbone alone {s['bare_dev_loss']:.4f} ({s['n_train']} train / {s['n_dev']} "
+          "dev rows"
           + (f"; {cut} prompt(s) cut at the start to fit {bb.name}'s {bb.max_length} tokens" if cut else "")
           + ")", file=sys.stderr)
     return 0
