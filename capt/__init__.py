@@ -6,6 +6,7 @@
     capt.predict(bb, "rte", {"premise": "...", "hypothesis": "..."}, capsule=capsule)
     capt.generate(bb, "Some prompt", capsule=capsule, max_new_tokens=32).text   # the capsule set in the prefill
     capt.lm_loss(bb, capsule, input_ids, attention_mask, labels).loss   # free-text training; capt.CapsuleLM: Trainer
+    capt.lm_training.train_lm(bb, [("a prompt", " its completion"), ...], "runs/qa")   # the same in one call
     report = capt.attention(bb, "some text", capsule=capsule)
     soft = capt.load_soft_prompt("runs/rte-pt/adapter", bb)   # a trained prompt-tuning soft prompt
     report = capt.attention(bb, "some text", soft_prompt=soft)
