@@ -35,6 +35,8 @@ if not os.path.isfile(CHROMIUM):
 pytest.importorskip("playwright.sync_api", reason="the playwright package is missing (pip install -r requirements.txt)")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
+expect.set_options(timeout=20_000)   # ms every assertion waits (Playwright's default: 5 s): a shared CPU redraws slowly
+
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--disable-background-networking"]   # see the module docstring
