@@ -138,13 +138,17 @@ class Legs(TrainerCallback):
 
 class Events(TrainerCallback):
     """`callback(event)` per step and per dev evaluation, shaped as capt.training.train's events ("step": loss,
-    throughput, ETA, best dev loss so far; "eval": {"dev": {"loss": ...}}); `stop()` and a time budget honoured
-    after each step: the run then ends, keeping the best capsule so far, as the app's Stop button expects."""
+    throughput, ETA, best dev loss so far; "eval": {"dev": {"loss": ...}}); `stop()` and a time budget on the
+    run's clock (`clock()`: seconds of training, resumed legs included) honoured after each step: the run then
+    ends, keeping the best capsule so far, with a checkpoint of the step it ended at, so that a resumed run (the
+    next of ZeroGPU's time-boxed calls) goes on from there."""
 
-    def __init__(self, callback=None, stop=None, batch_size: int = 8, max_seconds: float | None = None):
+    def __init__(self, callback=None, stop=None, batch_size: int = 8, max_seconds: float | None = None,
+                 clock=None):
         self.callback, self.stop, self.batch_size = callback or (lambda event: None), stop, batch_size
         self.max_seconds, self.stopped_by = max_seconds, None
         self.started = time.time()
+        self.clock = clock or (lambda: time.time() - self.started)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started, self.first_step = time.time(), state.global_step
@@ -152,9 +156,10 @@ class Events(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.stop is not None and self.stop():
             self.stopped_by = "stop requested"
-        elif self.max_seconds is not None and time.time() - self.started >= self.max_seconds:
+        elif self.max_seconds is not None and self.clock() >= self.max_seconds:
             self.stopped_by = "max_minutes"
-        control.should_training_stop = control.should_training_stop or self.stopped_by is not None
+        if self.stopped_by is not None:
+            control.should_training_stop = control.should_save = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:
@@ -206,8 +211,9 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     returns the summary. Constant learning rate (AdamW, no weight decay), the dev loss's best capsule kept;
     resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill).
     callback(event): each step and dev evaluation (`Events`); stop(): checked after each step, True ends the run
-    with the best capsule so far, as does max_minutes of training in this call (summary "stopped_by": "stop
-    requested", "max_minutes", "early stopping" or "max_steps")."""
+    with the best capsule so far, as does max_minutes on the run's training clock, resumed legs included (summary
+    "stopped_by": "stop requested", "max_minutes", "early stopping" or "max_steps"); either leaves a checkpoint
+    of the step it ended at, so resume=True goes on from exactly there."""
     check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes)
     config = config or CapsuleConfig()
     if len(pairs) < 2:
@@ -231,7 +237,7 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     last = last_checkpoint(out) if resume else None
     code = {**CODE, "machine": describe_machine(backbone.device)}
     legs = Legs(code, Path(last) if last else None)
-    events = Events(callback, stop, batch_size, max_minutes * 60 if max_minutes else None)
+    events = Events(callback, stop, batch_size, max_minutes * 60 if max_minutes else None, clock=legs.seconds)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
                       data_collator=Collator(backbone.tokenizer.pad_token_id),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=patience), legs, events])

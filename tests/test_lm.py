@@ -287,6 +287,35 @@ def test_train_lm_reports_each_step_and_stops_within_one(tmp_path, capsys):
         train_lm(bb, pairs, tmp_path / "zero", max_minutes=0)
 
 
+def test_train_lm_in_time_boxed_pieces_is_one_run(tmp_path):
+    """A time budget ends a run with a checkpoint of its last step, and resume=True goes on from exactly there (as
+    ZeroGPU's time-boxed calls do): the pieces together take steps 1..6 once each, the clock counts every piece,
+    and the capsule is the same as one uninterrupted run's."""
+    from capt.lm_training import train_lm
+
+    bb = tiny("tiny-llama")
+    pairs = [(f"say {w}:", f" {w} {w}") for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]]
+    whole = train_lm(bb, pairs, tmp_path / "whole", max_steps=6, eval_every=4, batch_size=3)
+    steps, pieces, budget = [], [], 1e-9
+    while True:
+        events = []
+        s = train_lm(bb, pairs, tmp_path / "pieces", max_steps=6, eval_every=4, batch_size=3, max_minutes=budget,
+                     resume=bool(pieces), callback=events.append)
+        steps += [e["step"] for e in events if e["kind"] == "step"]
+        pieces.append(s["stopped_by"])
+        if s["stopped_by"] != "max_minutes":
+            break
+        budget = s["train_seconds"] / 60 + 1e-9   # the run's clock: what it has spent, plus next to nothing
+    assert steps == [1, 2, 3, 4, 5, 6] and len(pieces) >= 2 and pieces == ["max_minutes"] * (len(pieces) - 1) + [
+        "max_steps"]
+    starts = [t["from_step"] for t in s["trained_on"]]   # each piece from where the one before ended
+    assert len(starts) == len(pieces) and starts[0] == 0 and starts == sorted(set(starts))
+    assert s["dev_losses"] == pytest.approx(whole["dev_losses"]) and s["best_step"] == whole["best_step"]
+    a, _ = capt.load_capsule(whole["capsule_dir"], bb)
+    b, _ = capt.load_capsule(s["capsule_dir"], bb)
+    assert torch.allclose(a.weight, b.weight, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
 def test_the_lm_cli_batches_are_what_transformers_scores(arch):
     """train.lm's rows and batches: the completion (and an EOS after it) scored, the prompt and pads not; without
