@@ -23,7 +23,7 @@ from capt.config import FUSIONS, HEADS, LAYER_PRESETS, PLACEMENTS
 from capt.hub import check_repo_id, is_repo_id
 from capt.io import (capsule_task, export_zip, find_capsules, find_soft_prompts, import_zip, pull_from_hub,
                      push_to_hub, read_config)
-from capt.training import TrainConfig, prepare_data, train, train_in_chunks
+from capt.training import TrainConfig, in_chunks, prepare_data, train, train_in_chunks
 
 try:   # Hugging Face ZeroGPU Spaces: a GPU is lent per call of a function decorated with spaces.GPU
     import spaces
@@ -404,32 +404,35 @@ def train_text_run(backbone: str, preset: str, session: dict, session_id: str = 
         if head != "verbalizer":
             raise CaptError("free text is learned with the backbone's own language-modelling head: set head to "
                             "'verbalizer' (a linear head scores a task's labels)")
-        if GPU is not None:
-            raise CaptError("free-text training is not split into ZeroGPU's time-boxed calls yet: train with "
-                            "python -m train.lm and upload the capsule's zip in the Predict tab")
         if preset not in TEXT_PRESETS:
             raise CaptError(f"unknown preset {preset!r}; valid: {', '.join(TEXT_PRESETS)}")
         if not data_file:
             raise CaptError("upload a CSV / JSONL / JSON file with a prompt and a completion column")
         config = capt.CapsuleConfig(fusion=fusion, placement=placement, layers=str(layers or "all").strip())
         budget = {**TEXT_PRESETS[preset], **({"max_steps": int(max_steps), "max_minutes": None} if max_steps else {})}
-        options = dict(batch_size=int(batch_size or 8), lr=float(lr) if lr else 3e-2, **budget)
+        options = dict(batch_size=int(batch_size or 8), lr=float(lr) if lr else 3e-2, seed=int(seed or 0), **budget)
         columns = ((prompt_column or "").strip() or "prompt", (completion_column or "").strip() or "completion")
         out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         from capt.lm_training import check_options, read_pairs, train_lm
-        check_options(out, **options)
+        check_options(out, **{k: v for k, v in options.items() if k != "seed"})
     except Exception as e:
         yield {**state, "error": viz.error_message(e)}
         return
     name = canonical_name(backbone)
 
+    options["command"] = f"the app's Train tab: {Path(data_file).name}, {preset}"
+
     def work(emit, stop):
         emit({"kind": "info", "text": "checking the data…"})
         pairs = read_pairs(data_file, *columns)   # a bad file fails here, before any backbone is loaded
         emit({"kind": "info", "text": f"loading backbone {name}, then training…"})
-        summary = train_lm(get_backbone(name), pairs, out, config, seed=int(seed or 0), callback=emit,
-                           stop=stop.is_set, command=f"the app's Train tab: {Path(data_file).name}, {preset}",
-                           **options)
+        bb = get_backbone(name)   # in the main process: a ZeroGPU worker forked after this inherits it
+        if gpu_text_chunk is None:
+            summary = train_lm(bb, pairs, out, config, callback=emit, stop=stop.is_set, **options)
+        else:   # ZeroGPU: GPU_CHUNK_S of training per GPU call, each resuming where the one before ended
+            summary = in_chunks(lambda budget, resume: gpu_summary(gpu_text_chunk(
+                name, pairs, str(out), config, {**options, "max_minutes": budget}, resume, stop), emit),
+                options.get("max_minutes"), GPU_CHUNK_S, callback=emit)
         emit({"kind": "finished", "summary": summary})
     yield from _stream_training(state, work, _finish_text, session, session_id)
 
@@ -454,9 +457,23 @@ def train_chunk(cfg: TrainConfig, resume: bool, stop: StopFile):
     {"kind": "finished", "summary"} or {"kind": "error", "text"}: ZeroGPU runs it in a worker process and
     streams its yields back (a callback could not reach the page from there; every argument and event is
     pickled on the way, so all are plain data)."""
-    events = viz.in_thread(lambda emit: emit({"kind": "finished", "summary": train(
-        cfg, get_backbone(cfg.backbone), callback=emit, stop=stop, resume=resume, progress=False)}),
-        on_error=viz.error_message)
+    yield from _chunk_events(lambda emit: train(cfg, get_backbone(cfg.backbone), callback=emit, stop=stop,
+                                                resume=resume, progress=False), stop)
+
+
+def train_text_chunk(name: str, pairs: list, out: str, config: capt.CapsuleConfig, options: dict, resume: bool,
+                     stop: StopFile):
+    """train_chunk for free text: one time-boxed piece of capt.lm_training.train_lm (options["max_minutes"]: the
+    run's clock at its end), resuming from the checkpoint the previous piece ended with."""
+    from capt.lm_training import train_lm
+    yield from _chunk_events(lambda emit: train_lm(get_backbone(name), pairs, out, config, resume=resume,
+                                                   callback=emit, stop=stop.is_set, **options), stop)
+
+
+def _chunk_events(job, stop: StopFile):
+    """job(emit) -> summary, run in a thread: its events, then {"kind": "finished", "summary"} or {"kind": "error",
+    "text"}. Closed before its end (the page went away), it sets `stop`: the whole run ends within one step."""
+    events = viz.in_thread(lambda emit: emit({"kind": "finished", "summary": job(emit)}), on_error=viz.error_message)
     ended = False
     try:
         while (event := events.get())["kind"] not in ("finished", "error"):
@@ -464,7 +481,7 @@ def train_chunk(cfg: TrainConfig, resume: bool, stop: StopFile):
         ended = True
         yield event
     finally:
-        if not ended:   # closed early (the page went away): the whole run ends within one step
+        if not ended:
             stop.set()
 
 
@@ -488,6 +505,7 @@ def on_gpu(duration: int, fn, gpu=None):
 
 # ZeroGPU lends a GPU for one decorated call at a time (decorated once, at import, as it requires)
 gpu_train_chunk = on_gpu(GPU_CHUNK_S + 60, train_chunk) if GPU else None   # + the chunk's test evaluation
+gpu_text_chunk = on_gpu(GPU_CHUNK_S + 60, train_text_chunk) if GPU else None  # + the dev loss, both ways
 
 
 def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: StopFile) -> dict:
@@ -496,15 +514,19 @@ def run_training(cfg: TrainConfig, bb: capt.Backbone, emit, stop: StopFile) -> d
     if gpu_train_chunk is None:
         return train(cfg, bb, callback=emit, stop=stop, progress=False)
 
-    def chunk(chunk_cfg: TrainConfig, resume: bool) -> dict:
-        for event in gpu_train_chunk(chunk_cfg, resume, stop):
-            if event["kind"] == "finished":
-                return event["summary"]
-            if event["kind"] == "error":
-                raise CaptError(event["text"])
-            emit(event)
-        raise CaptError("the GPU call ended before its training chunk did (ZeroGPU aborted it); try again")
-    return train_in_chunks(cfg, chunk, GPU_CHUNK_S, callback=emit)
+    return train_in_chunks(cfg, lambda chunk_cfg, resume: gpu_summary(gpu_train_chunk(chunk_cfg, resume, stop), emit),
+                           GPU_CHUNK_S, callback=emit)
+
+
+def gpu_summary(events, emit) -> dict:
+    """A GPU chunk's summary, its events passed on to `emit` as they come; its error raised here."""
+    for event in events:
+        if event["kind"] == "finished":
+            return event["summary"]
+        if event["kind"] == "error":
+            raise CaptError(event["text"])
+        emit(event)
+    raise CaptError("the GPU call ended before its training chunk did (ZeroGPU aborted it); try again")
 
 
 def _finish(summary: dict, session: dict) -> dict:

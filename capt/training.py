@@ -496,16 +496,25 @@ def train_in_chunks(cfg: TrainConfig, run_chunk: Callable[[TrainConfig, bool], d
     chunk ends for any other reason (max_steps, early stopping, a stop) or reaches the run's own budget.
     Returns the last chunk's summary with "chunks": how many calls it took.
     """
-    if not chunk_seconds > 0:
-        raise CaptError(f"chunk_seconds={chunk_seconds} must be positive")
     if not cfg.out_dir:
         raise CaptError("training in chunks needs an out_dir: each chunk resumes from the checkpoint kept there")
-    total, k = cfg.max_minutes, 0
+    return in_chunks(lambda budget, resume: run_chunk(replace(cfg, max_minutes=budget), resume), cfg.max_minutes,
+                     chunk_seconds, callback)
+
+
+def in_chunks(run_chunk: Callable[[float, bool], dict], total_minutes: float | None, chunk_seconds: float,
+              callback: Callable[[dict], None] | None = None) -> dict:
+    """`train_in_chunks` for any run whose max_minutes is its own clock, resumed legs included (train, and
+    capt.lm_training.train_lm): run_chunk(max_minutes, resume) runs chunk k to k * chunk_seconds of that clock
+    (capped by total_minutes) and returns its summary, which says how it ended ("stopped_by")."""
+    if not chunk_seconds > 0:
+        raise CaptError(f"chunk_seconds={chunk_seconds} must be positive")
+    k = 0
     while True:
         k += 1
-        budget = k * chunk_seconds / 60 if total is None else min(total, k * chunk_seconds / 60)
-        summary = run_chunk(replace(cfg, max_minutes=budget), k > 1)
-        if summary["stopped_by"] != "max_minutes" or budget == total:
+        budget = k * chunk_seconds / 60 if total_minutes is None else min(total_minutes, k * chunk_seconds / 60)
+        summary = run_chunk(budget, k > 1)
+        if summary["stopped_by"] != "max_minutes" or budget == total_minutes:
             return {**summary, "chunks": k}
         if callback:
             callback({"kind": "info", "text": f"chunk {k} done at step {summary['steps']}; continuing…"})

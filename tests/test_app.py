@@ -132,7 +132,7 @@ def write_pairs(path, prompt="q", completion="a"):
     return str(path)
 
 
-def test_free_text_trains_in_the_browser_and_generates(tmp_path, monkeypatch):
+def test_free_text_trains_in_the_browser_and_generates(tmp_path):
     """The Train tab's free-text source: a prompt → completion file trains a capsule (capt.lm_training, live
     curves on the dev loss), selected at once and zipped; it joins the session's table and continues your own
     prompt in the generation view; Stop ends it within one step; bad choices are messages before any training."""
@@ -178,9 +178,6 @@ def test_free_text_trains_in_the_browser_and_generates(tmp_path, monkeypatch):
         args = {"data_file": data, "prompt_column": "q", "completion_column": "a", "preset": "quick: 20 steps", **kw}
         out = list(app.train_text_run(BB, session=session, session_id="bad", **args))
         assert out[-1]["capsule"] is None and re.search(message, out[-1]["error"]), (kw, out[-1]["error"])
-    monkeypatch.setattr(app, "GPU", fake_zerogpu.GPU)   # on ZeroGPU: what to do instead
-    out = list(app.train_text_run(BB, "quick: 20 steps", session, session_id="gpu", data_file=data))
-    assert "python -m train.lm and upload the capsule's zip" in out[-1]["error"]
 
 
 def test_attention_with_and_without_the_capsule(trained):
@@ -444,6 +441,28 @@ def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
     assert [e["step"] for e in steps if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]   # no step twice, none lost
     assert len(last["loss"].data[0].x) == 6   # the curves got the worker's step events
     assert app.predict_view(BB, last["capsule"], "cb", session=session, **CB)[-1] == ""
+
+
+def test_zerogpu_trains_free_text_in_resumed_chunks(tmp_path, monkeypatch):
+    """Free-text training on ZeroGPU: GPU calls of spaces.GPU(train_text_chunk), each in its own worker process and
+    each resuming where the one before ended, take steps 1..6 once each and end with a usable capsule."""
+    calls, gpu = [], app.on_gpu(60, app.train_text_chunk, gpu=fake_zerogpu.GPU)
+
+    def chunk(name, pairs, out, config, options, resume, stop):
+        calls.append((options["max_minutes"], resume))
+        yield from gpu(name, pairs, out, config, options, resume, stop)
+    monkeypatch.setattr(app, "gpu_text_chunk", chunk)
+    monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after about one step
+    session = new_session(tmp_path)
+    states = list(app.train_text_run(BB, "quick: 20 steps", session, session_id="zero-text", max_steps=6,
+                                     data_file=write_pairs(tmp_path / "p.jsonl"), prompt_column="q",
+                                     completion_column="a", batch_size=3))
+    last = states[-1]
+    assert last["error"] == "" and last["progress"].startswith("**Done** (max_steps): 6 steps")
+    assert len(calls) > 1 and calls[0][1] is False and all(resume for _, resume in calls[1:])
+    assert [budget for budget, _ in calls] == pytest.approx([k * 0.05 / 60 for k in range(1, len(calls) + 1)])
+    assert list(last["loss"].data[0].x) == [1, 2, 3, 4, 5, 6]   # every worker's step events, none twice
+    assert app.generate_view(BB, last["capsule"], "rte", session=session, max_new_tokens=2, own_prompt="say a:")[1] == ""
 
 
 def test_zerogpu_stop_and_errors_cross_the_process(tmp_path, monkeypatch):

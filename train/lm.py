@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone", default="smollm2-135m", help="default %(default)s (embedded); a hub id or folder")
     p.add_argument("--out", required=True, help="the run's folder (capsule/, summary.json, trainer/)")
     p.add_argument("--max-steps", type=int, default=500, help="default %(default)s")
-    p.add_argument("--max-minutes", type=float, help="stop after this much training time (default: no limit)")
+    p.add_argument("--max-minutes", type=float,
+                   help="stop when the run's training clock, resumed legs included, reaches this (default: no limit)")
     p.add_argument("--eval-every", type=int, default=50,
                    help="steps between dev-loss evaluations and checkpoints (default %(default)s)")
     p.add_argument("--patience", type=int, default=10,
