@@ -251,8 +251,8 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     best = min(evals, key=lambda h: h["eval_loss"]) if evals else None
     summary = {"command": command, "backbone": backbone.name, "n_train": len(train), "n_dev": len(dev),
                "n_prompts_cut": n_cut, "steps": trainer.state.global_step, "max_steps": max_steps,
-               "stopped_by": events.stopped_by or ("max_steps" if trainer.state.global_step >= max_steps
-                                                   else "early stopping"),
+               "stopped_by": "max_steps" if trainer.state.global_step >= max_steps   # done, whatever else said so
+               else events.stopped_by or "early stopping",
                "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],
                "bare_dev_loss": bare,
                "dev_losses": {h["step"]: h["eval_loss"] for h in evals}, "train_loss": result.training_loss,

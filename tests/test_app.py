@@ -452,15 +452,15 @@ def test_zerogpu_trains_free_text_in_resumed_chunks(tmp_path, monkeypatch):
         calls.append((options["max_minutes"], resume))
         yield from gpu(name, pairs, out, config, options, resume, stop)
     monkeypatch.setattr(app, "gpu_text_chunk", chunk)
-    monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after about one step
+    monkeypatch.setattr(app, "GPU_CHUNK_S", 1e-4)   # a chunk ends after its first step (a tiny model's take ms)
     session = new_session(tmp_path)
     states = list(app.train_text_run(BB, "quick: 20 steps", session, session_id="zero-text", max_steps=6,
                                      data_file=write_pairs(tmp_path / "p.jsonl"), prompt_column="q",
                                      completion_column="a", batch_size=3))
     last = states[-1]
     assert last["error"] == "" and last["progress"].startswith("**Done** (max_steps): 6 steps")
-    assert len(calls) > 1 and calls[0][1] is False and all(resume for _, resume in calls[1:])
-    assert [budget for budget, _ in calls] == pytest.approx([k * 0.05 / 60 for k in range(1, len(calls) + 1)])
+    assert len(calls) == 6 and calls[0][1] is False and all(resume for _, resume in calls[1:])
+    assert [budget for budget, _ in calls] == pytest.approx([k * 1e-4 / 60 for k in range(1, 7)])
     assert list(last["loss"].data[0].x) == [1, 2, 3, 4, 5, 6]   # every worker's step events, none twice
     assert app.generate_view(BB, last["capsule"], "rte", session=session, max_new_tokens=2, own_prompt="say a:")[1] == ""
 
