@@ -113,8 +113,8 @@ def test_a_free_text_capsule_uploads_and_generates_after_your_own_prompt(tmp_pat
     session, path, msg = app.upload_capsule(str(export_zip(tmp_path / "run" / "capsule")), BB, session)
     assert msg == "" and "(no task)" in session["capsules"][-1]["label"]
     report = app.predict_view(BB, path, "rte", session=session, **CB)[1]
-    assert re.search(r"Trained on free text \(9 prompt → completion rows\): 2 steps, best dev loss \d\.\d{4} at step 2 "
-                     r"\(the backbone alone: \d\.\d{4}\)", report)
+    assert re.search(r"Trained on free text \(9 prompt → completion rows\): 2 steps, best dev loss \d\.\d{4} at "
+                     r"step 2 \(the backbone alone: \d\.\d{4}\)", report)
     bb = app.get_backbone(BB)
     cap, task = capt.load_capsule(path, bb)
     bare, mine = (capt.generate(bb, "say cat:", capsule=c, max_new_tokens=3) for c in (None, cap))
@@ -462,7 +462,8 @@ def test_zerogpu_trains_free_text_in_resumed_chunks(tmp_path, monkeypatch):
     assert len(calls) == 6 and calls[0][1] is False and all(resume for _, resume in calls[1:])
     assert [budget for budget, _ in calls] == pytest.approx([k * 1e-4 / 60 for k in range(1, 7)])
     assert list(last["loss"].data[0].x) == [1, 2, 3, 4, 5, 6]   # every worker's step events, none twice
-    assert app.generate_view(BB, last["capsule"], "rte", session=session, max_new_tokens=2, own_prompt="say a:")[1] == ""
+    text, err = app.generate_view(BB, last["capsule"], "rte", session=session, max_new_tokens=2, own_prompt="say a:")
+    assert err == "" and "**With capsule**" in text
 
 
 def test_zerogpu_stop_and_errors_cross_the_process(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from capt.scoring import pad
 from capt.tasks import Rendered
 from conftest import ARCHS, OPTIONS, random_capsule, tiny
 
+WORDS = ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]
 PAIRS = [("the cat sat on the", " mat by the door"), ("a much longer prompt about dogs and the cats of", " town")]
 DECODERS = [a for a in ARCHS if a != "tiny-t5"]
 LM_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "linear"}
@@ -210,7 +211,6 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
         {"from_step": 0, "code": None}, {"from_step": 9, "from_seconds": 0.0, "code": summary["code"]}]
     assert main(common[:-1] + [str(tmp_path / "none"), "--max-steps", "3", "--resume"]) == 2
     assert "--resume: no checkpoint in" in capsys.readouterr().err
-    capsys.readouterr()
     with data.open("a") as f:   # a prompt over the model's limit: cut, counted and said
         f.write(json.dumps({"q": "word " * 2 * bb.max_length, "a": " the end"}) + "\n")
     assert main(common[:-1] + [str(tmp_path / "long"), "--max-steps", "1"]) == 0
@@ -232,8 +232,7 @@ def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     from capt.lm_training import check_options, dev_loss, encode, split, train_lm
 
     bb = tiny(arch)
-    pairs = [(f"say {w}{i}:", f" {w} {w}") for i in range(3) for w in ["cat", "dog", "sun", "tree", "sea", "sky",
-                                                                       "hat", "cup", "pen", "box"]]
+    pairs = [(f"say {w}{i}:", f" {w} {w}") for i in range(3) for w in WORDS]
     summary = train_lm(bb, pairs, tmp_path / "run", capt.CapsuleConfig(layers="odd"), max_steps=4, eval_every=2,
                        batch_size=2)
     assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["command"]) == (4, 27, 3, None)
@@ -264,7 +263,7 @@ def test_train_lm_reports_each_step_and_stops_within_one(tmp_path, capsys):
     from capt.lm_training import train_lm
 
     bb = tiny("tiny-llama")
-    pairs = [(f"say {w}:", f" {w} {w}") for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]]
+    pairs = [(f"say {w}:", f" {w} {w}") for w in WORDS]
     events = []
     summary = train_lm(bb, pairs, tmp_path / "all", max_steps=6, eval_every=2, batch_size=3, callback=events.append)
     steps, evals = [e for e in events if e["kind"] == "step"], [e for e in events if e["kind"] == "eval"]
@@ -278,7 +277,7 @@ def test_train_lm_reports_each_step_and_stops_within_one(tmp_path, capsys):
     seen = []
     stopped = train_lm(bb, pairs, tmp_path / "stop", max_steps=50, eval_every=2, batch_size=3,
                        callback=seen.append, stop=lambda: len([e for e in seen if e["kind"] == "step"]) >= 3)
-    assert (stopped["steps"], stopped["stopped_by"]) == (4, "stop requested")   # set during step 4's end: the run ends there
+    assert (stopped["steps"], stopped["stopped_by"]) == (4, "stop requested")   # set at step 4's end: it ends there
     assert stopped["best_dev_loss"] == min(stopped["dev_losses"].values())
     timed = train_lm(bb, pairs, tmp_path / "time", max_steps=50, eval_every=2, batch_size=3, max_minutes=1e-9)
     assert (timed["steps"], timed["stopped_by"]) == (1, "max_minutes")
@@ -294,7 +293,7 @@ def test_train_lm_in_time_boxed_pieces_is_one_run(tmp_path):
     from capt.lm_training import train_lm
 
     bb = tiny("tiny-llama")
-    pairs = [(f"say {w}:", f" {w} {w}") for w in ["cat", "dog", "sun", "tree", "sea", "sky", "hat", "cup", "pen", "box"]]
+    pairs = [(f"say {w}:", f" {w} {w}") for w in WORDS]
     whole = train_lm(bb, pairs, tmp_path / "whole", max_steps=6, eval_every=4, batch_size=3)
     steps, pieces, budget = [], [], 1e-9
     while True:

@@ -78,8 +78,9 @@ def parser(compare_mode: bool) -> argparse.ArgumentParser:
                    help="no early stopping before this step (default 0, the paper's protocol)")
     p.add_argument("--seeds", type=int, nargs="+", default=[TrainConfig.seed],
                    help="one run per seed, then the mean ± std (default: 0)")
-    p.add_argument("--max-train", type=int, help="cap on training examples: a fixed random subset, the same for every seed "
-                                                        "and method (default: all)")
+    p.add_argument("--max-train", type=int,
+                   help="cap on training examples: a fixed random subset, the same for every seed and method "
+                        "(default: all)")
     p.add_argument("--max-dev", type=int, help="cap on the 10 %% dev split (default: all)")
     p.add_argument("--max-test", type=int, help="cap on the test split (default: all)")
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps,
