@@ -60,7 +60,9 @@ One `gradio_client.Client` is one session: the capsule `/train` returns (its 8th
 c = gradio_client.Client("http://127.0.0.1:7860/")
 capsule = c.predict(backbone="smollm2-135m", task="cb", preset="quick: 20 steps", api_name="/train")[7]["value"]
 fig, report, error = c.predict(capsule=capsule, task="cb", premise="It rained.", hypothesis="Wet.", api_name="/predict")
-```"""
+```
+Free text: `/train` with `source="my text: prompt → completion"`, `data_file=gradio_client.handle_file("qa.jsonl")`,
+`prompt_column`, `completion_column`; then `/generate` with `own_prompt` continues your text with the new capsule."""
 _MODELS, _LOCK = {}, threading.Lock()      # name -> Backbone, read-only once loaded: capsules attach per call
 _STOPS: dict[str, "StopFile"] = {}          # session id -> the stop flag of the training it runs
 
