@@ -1,8 +1,9 @@
 """The app in a real browser: Playwright's Python package drives Debian's chromium (no browser download).
 
 `python app.py` is launched in a subprocess on a free local port with the tiny random backbone (tiny-llama),
-then one page goes through what a person does: it opens, predicts, shows the attention maps, and starts and
-stops a short training run, checking what is on screen (texts, drawn plotly charts, no warning/error toast).
+then one page goes through what a person does: it opens, predicts, shows the attention maps, starts and stops a
+short training run, and trains on free text, checking what is on screen (texts, drawn plotly charts, no
+warning/error toast).
 
 Needs chromium (`apt-get install -y chromium`, at /usr/bin/chromium or on PATH; CAPT_CHROMIUM names another
 binary) and the `playwright` package (requirements.txt); without either the module is skipped. The browser
