@@ -63,8 +63,9 @@ def last_checkpoint(out) -> str | None:
     return get_last_checkpoint(str(folder)) if folder.is_dir() else None
 
 
-def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str, str]]:
-    """(prompt, completion) per row; a row with an empty or non-text value is refused with its number."""
+def read_pairs(path, prompt_field: str, completion_field: str, minimum: int = 2) -> list[tuple[str, str]]:
+    """(prompt, completion) per row; a row with an empty or non-text value is refused with its number, a file of
+    fewer than `minimum` rows too (training: 2, one for the dev split)."""
     pairs = []
     for row, r in enumerate(read_records(path, [prompt_field, completion_field]), start=1):
         p, c = r[prompt_field], r[completion_field]
@@ -72,8 +73,9 @@ def read_pairs(path, prompt_field: str, completion_field: str) -> list[tuple[str
             raise CaptError(f"{Path(path).name} row {row}: {prompt_field!r} and {completion_field!r} must both be "
                             f"non-empty text, got {p!r} and {c!r}")
         pairs.append((p, c))
-    if len(pairs) < 2:
-        raise CaptError(f"{path} has {len(pairs)} row(s); training needs at least 2 (90 % train, 10 % dev)")
+    if len(pairs) < minimum:
+        raise CaptError(f"{path} has {len(pairs)} row(s); " + ("training needs at least 2 (90 % train, 10 % dev)"
+                                                               if minimum == 2 else f"give at least {minimum}"))
     return pairs
 
 
@@ -206,20 +208,23 @@ def dev_loss(backbone: Backbone, capsule, rows: list[dict], batch_size: int = 8)
 def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: CapsuleConfig | None = None,
              max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
              lr: float = 3e-2, seed: int = 0, resume: bool = False, command: str | None = None,
-             callback=None, stop=None, max_minutes: float | None = None) -> dict:
+             callback=None, stop=None, max_minutes: float | None = None,
+             test_pairs: list[tuple[str, str]] | None = None) -> dict:
     """Train a capsule on (prompt, completion) pairs; writes OUT/capsule, OUT/summary.json and OUT/trainer, and
     returns the summary. Constant learning rate (AdamW, no weight decay), the dev loss's best capsule kept;
     resume=True goes on from OUT/trainer's last checkpoint (to a larger max_steps, or after a kill).
     callback(event): each step and dev evaluation (`Events`); stop(): checked after each step, True ends the run
     with the best capsule so far, as does max_minutes on the run's training clock, resumed legs included (summary
     "stopped_by": "stop requested", "max_minutes", "early stopping" or "max_steps"); either leaves a checkpoint
-    of the step it ended at, so resume=True goes on from exactly there."""
+    of the step it ended at, so resume=True goes on from exactly there. test_pairs: rows never used to train or
+    pick, whose loss (summary "test_loss", and "bare_test_loss" for the backbone alone) the kept capsule gets."""
     check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes)
     config = config or CapsuleConfig()
     if len(pairs) < 2:
         raise CaptError(f"{len(pairs)} pair(s); training needs at least 2 (90 % train, 10 % dev)")
     rows = [encode(backbone, config.n_slots, p, c) for p, c in pairs]
-    n_cut = sum(r.pop("cut") > 0 for r in rows)
+    test = [encode(backbone, config.n_slots, p, c) for p, c in test_pairs or []]
+    n_cut = sum(r.pop("cut") > 0 for r in rows + test)
     train, dev = split(rows, seed)
     bare = dev_loss(backbone, None, dev, batch_size)
     model = CapsuleLM(backbone, config=config, seed=seed)
@@ -259,6 +264,9 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
                "train_seconds": round(legs.seconds(), 1), "trained_on": legs.trained_on,
                "wall_seconds": round(time.time() - started, 1), "n_trainable": model.capsule.n_capsule_params(),
                "capsule": config.to_dict(), "code": code}
+    if test:   # the kept capsule (load_best_model_at_end) on rows it never saw
+        summary.update(n_test=len(test), test_loss=dev_loss(backbone, model.capsule, test, batch_size),
+                       bare_test_loss=dev_loss(backbone, None, test, batch_size))
     summary["capsule_dir"] = str(model.save(out / "capsule", training=summary))   # the best dev loss's capsule
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

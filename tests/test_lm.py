@@ -216,6 +216,12 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
     assert main(common[:-1] + [str(tmp_path / "long"), "--max-steps", "1"]) == 0
     assert json.loads((tmp_path / "long" / "summary.json").read_text())["n_prompts_cut"] == 1
     assert "1 prompt(s) cut at the start to fit tiny-llama's 512 tokens" in capsys.readouterr().err
+    held_out = tmp_path / "test.jsonl"
+    held_out.write_text(json.dumps({"q": "cat dog sun", "a": " the end"}) + "\n")   # one row is a test split
+    assert main(common[:-1] + [str(tmp_path / "tested"), "--max-steps", "1", "--test-file", str(held_out)]) == 0
+    tested = json.loads((tmp_path / "tested" / "summary.json").read_text())
+    assert tested["n_test"] == 1 and re.search(r"; test loss \d+\.\d{4}, the backbone alone \d+\.\d{4} on 1 test row\(s\)",
+                                               capsys.readouterr().err)
     for change, message in [(["--completion-field", "answer"], r"lacks columns \['answer'\]"),
                             (["--lr", "0"], "out of range: --lr 0.0"),
                             (["--max-steps", "0"], "out of range: --max-steps 0")]:
@@ -233,8 +239,9 @@ def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
 
     bb = tiny(arch)
     pairs = [(f"say {w}{i}:", f" {w} {w}") for i in range(3) for w in WORDS]
+    test_pairs = [(f"tell {w}:", f" {w} {w}") for w in WORDS[:5]]
     summary = train_lm(bb, pairs, tmp_path / "run", capt.CapsuleConfig(layers="odd"), max_steps=4, eval_every=2,
-                       batch_size=2)
+                       batch_size=2, test_pairs=test_pairs)
     assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["command"]) == (4, 27, 3, None)
     capsule, task = capt.load_capsule(summary["capsule_dir"], bb)
     assert task is None and capsule.config.layers == "odd" and capsule.layer_ids == [0, 2]
@@ -242,6 +249,10 @@ def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     assert dev_loss(bb, capsule, dev, 2) == pytest.approx(summary["best_dev_loss"], rel=1e-5)   # batches of 2 and 1
     assert dev_loss(bb, None, dev, 2) == pytest.approx(summary["bare_dev_loss"], rel=1e-6)
     assert summary["bare_dev_loss"] != pytest.approx(summary["best_dev_loss"], rel=1e-3)
+    test = [{k: v for k, v in encode(bb, 1, p, c).items() if k != "cut"} for p, c in test_pairs]   # the kept capsule
+    assert summary["n_test"] == 5 and summary["test_loss"] == pytest.approx(dev_loss(bb, capsule, test, 2), rel=1e-5)
+    assert summary["bare_test_loss"] == pytest.approx(dev_loss(bb, None, test, 2), rel=1e-6)
+    assert "test_loss" not in train_lm(bb, pairs, tmp_path / "no-test", max_steps=1, eval_every=1)   # none given
     for kwargs, message in [(dict(lr=0), r"out of range: lr 0 \(valid: 0 < lr <= 1\)"),
                             (dict(max_steps=0, patience=0), "max_steps 0 .*; patience 0"),
                             (dict(resume=True), "resume: no checkpoint in")]:

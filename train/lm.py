@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-field", default="prompt", help="the column the capsule reads (default %(default)s)")
     p.add_argument("--completion-field", default="completion",
                    help="the column learned, with an end-of-sequence token after it (default %(default)s)")
+    p.add_argument("--test-file", help="rows never trained on nor used to pick: the kept capsule's test loss, beside "
+                                       "the backbone alone's (same fields as --data-file)")
     p.add_argument("--backbone", default="smollm2-135m", help="default %(default)s (embedded); a hub id or folder")
     p.add_argument("--out", required=True, help="the run's folder (capsule/, summary.json, trainer/)")
     p.add_argument("--max-steps", type=int, default=500, help="default %(default)s")
@@ -61,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         check_options(args.out, **options, flags=True)
         config = CapsuleConfig(fusion=args.fusion, placement=args.placement, layers=args.layers)
         pairs = read_pairs(args.data_file, args.prompt_field, args.completion_field)
+        test = read_pairs(args.test_file, args.prompt_field, args.completion_field, 1) if args.test_file else None
         bb = load_backbone(args.backbone, device="cuda" if torch.cuda.is_available() else "cpu")
         s = train_lm(bb, pairs, args.out, config, seed=args.seed, command="python -m train.lm " + shlex.join(argv),
-                     **options)
+                     test_pairs=test, **options)
     except CaptError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
           f"step {s['best_step']}, the backbone alone {s['bare_dev_loss']:.4f} ({s['n_train']} train / {s['n_dev']} "
           "dev rows"
           + (f"; {cut} prompt(s) cut at the start to fit {bb.name}'s {bb.max_length} tokens" if cut else "")
-          + ")", file=sys.stderr)
+          + ")" + (f"; test loss {s['test_loss']:.4f}, the backbone alone {s['bare_test_loss']:.4f} "
+                   f"on {s['n_test']} test row(s)" if "test_loss" in s else ""), file=sys.stderr)
     return 0
 
 
