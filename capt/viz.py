@@ -365,9 +365,11 @@ def capsule_markdown(capsule, backbone) -> str:
             f"of {backbone.n_layers} layers, d = {backbone.hidden_size}")
     if tr and "best_dev_loss" in tr:   # capt.lm_training: free text, no task and no test split
         bare = f" (the backbone alone: {tr['bare_dev_loss']:.4f})" if tr.get("bare_dev_loss") else ""
+        test = (f"; test loss {tr['test_loss']:.4f} on {tr['n_test']} rows (the backbone alone: "
+                f"{tr['bare_test_loss']:.4f})") if "test_loss" in tr else ""
         text += (f"\n\nTrained on free text ({tr.get('n_train')} prompt → completion rows): {tr.get('steps')} steps, "
-                 f"best dev loss {tr['best_dev_loss']:.4f} at step {tr.get('best_step')}{bare}; no task, so no label "
-                 "scores: try it in the generation view with your own prompt")
+                 f"best dev loss {tr['best_dev_loss']:.4f} at step {tr.get('best_step')}{bare}{test}; no task, so no "
+                 "label scores: try it in the generation view with your own prompt")
     elif tr:
         scores = ", ".join(f"{k} {100 * v:.1f} %" for k, v in (capsule.meta.get("metrics") or {}).items())
         text += (f"\n\nTrained on `{tr.get('task')}`: {tr.get('steps')} steps ({tr.get('stopped_by')}); test "

@@ -64,6 +64,19 @@ def test_watch_runs_the_job_in_the_callers_context_and_reports_its_events():
     assert events == [{"kind": "error", "text": "bad: no such column 'label'"}]
 
 
+def test_a_free_text_capsule_card_gives_its_losses():
+    import capt
+    bb = capt.load_backbone("tiny-llama")
+    capsule = capt.Capsule.for_backbone(bb)
+    capsule.meta["training"] = {"n_train": 9, "steps": 2, "best_dev_loss": 2.5, "best_step": 2, "bare_dev_loss": 3.25}
+    text = viz.capsule_markdown(capsule, bb)
+    assert ("Trained on free text (9 prompt → completion rows): 2 steps, best dev loss 2.5000 at step 2 (the backbone "
+            "alone: 3.2500); no task") in text
+    capsule.meta["training"].update(test_loss=2.75, bare_test_loss=3.5, n_test=4)
+    assert "(the backbone alone: 3.2500); test loss 2.7500 on 4 rows (the backbone alone: 3.5000); no task" in \
+        viz.capsule_markdown(capsule, bb)
+
+
 def test_training_curves_show_a_dev_loss_as_a_loss():
     """Free-text training (capt.lm_training) selects on the dev loss: the progress line and the dev figure show
     the loss itself (lower is better), not a percentage."""
