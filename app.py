@@ -156,17 +156,24 @@ def known_soft_prompt(value: str, session: dict | None) -> bool:
 
 def resolve(backbone: str, capsule: str, task: str, session: dict | None):
     """(backbone, capsule or None, task, notes)."""
-    bb, cap, cap_task, notes = get_backbone(backbone), None, None, []
-    if capsule and capsule != NONE:
-        if not known_capsule(capsule, session):
-            capsule = from_hub(capsule, session)
-        cap, cap_task = capt.load_capsule(capsule, bb)
+    bb, cap, cap_task = load_chosen(backbone, capsule, session)
+    notes = []
     if task == CUSTOM and (cap_task is None or cap_task in capt.TASKS.values()):
         raise CaptError("the 'custom' task needs a capsule trained on your own data; select one")
     t = cap_task if task == CUSTOM else capt.get_task(task)
     if cap_task is not None and cap_task.name != t.name:   # capt.predict refuses a linear head of another size
         notes.append(f"this capsule was trained on '{cap_task.name}', not '{t.name}'")
     return bb, cap, t, notes
+
+
+def load_chosen(backbone: str, capsule: str, session: dict | None):
+    """(backbone, capsule or None, the capsule's task or None) for the boxes' values."""
+    bb, cap, cap_task = get_backbone(backbone), None, None
+    if capsule and capsule != NONE:
+        if not known_capsule(capsule, session):
+            capsule = from_hub(capsule, session)
+        cap, cap_task = capt.load_capsule(capsule, bb)
+    return bb, cap, cap_task
 
 
 def task_choice(value: str, session: dict | None) -> tuple[str | None, str]:
@@ -245,9 +252,8 @@ def generate_view(backbone: str, capsule: str = NONE, task: str = "rte", session
     tab's or `python -m train.lm`'s), without and with the capsule. Prediction itself never generates; this shows
     what else the capsule changes."""
     try:
-        if (own_prompt or "").strip():
-            bb, cap, _, notes = resolve(hub_id or backbone, capsule, "rte" if task == CUSTOM else task, session)
-            notes, prompt = [], own_prompt
+        if (own_prompt or "").strip():   # no task involved: the backbone and the capsule alone
+            (bb, cap, _), notes, prompt = load_chosen(hub_id or backbone, capsule, session), [], own_prompt
         else:
             bb, cap, t, notes = resolve(hub_id or backbone, capsule, task, session)
             prompt = t.render(make_example(t, fields, picked), bb.style).prompt
@@ -353,8 +359,7 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
     """Yields UI states (figures, progress, session; at the end the capsule, its zip and task) while a thread trains."""
     state = _initial_state(session)
     try:
-        out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
-        cfg = train_config(backbone, task, preset, str(out), **options)
+        cfg = train_config(backbone, task, preset, str(new_run_dir(session)), **options)
     except Exception as e:
         yield {**state, "error": viz.error_message(e)}
         return
@@ -366,6 +371,11 @@ def train_run(backbone: str, task: str, preset: str, session: dict, session_id: 
         bb = get_backbone(cfg.backbone)   # in the main process: a ZeroGPU worker forked after this inherits it
         emit({"kind": "finished", "summary": run_training(cfg, bb, emit, stop)})
     yield from _stream_training(state, work, _finish, session, session_id)
+
+
+def new_run_dir(session: dict) -> Path:
+    """A fresh folder name for one training run of this session."""
+    return session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
 def _initial_state(session: dict) -> dict:
@@ -403,26 +413,24 @@ def train_text_run(backbone: str, preset: str, session: dict, session_id: str = 
         if method != "capt":
             raise CaptError(f"free text trains a CaPT capsule; {TRAIN_METHODS.get(method, method)} runs on a "
                             "classification task or file: choose the method 'capt'")
-        if head != "verbalizer":
-            raise CaptError("free text is learned with the backbone's own language-modelling head: set head to "
-                            "'verbalizer' (a linear head scores a task's labels)")
         if preset not in TEXT_PRESETS:
             raise CaptError(f"unknown preset {preset!r}; valid: {', '.join(TEXT_PRESETS)}")
         if not data_file:
             raise CaptError("upload a CSV / JSONL / JSON file with a prompt and a completion column")
-        config = capt.CapsuleConfig(fusion=fusion, placement=placement, layers=str(layers or "all").strip())
+        config = capt.CapsuleConfig(fusion=fusion, placement=placement, layers=str(layers or "all").strip(),
+                                    head=head)
         budget = {**TEXT_PRESETS[preset], **({"max_steps": int(max_steps), "max_minutes": None} if max_steps else {})}
-        options = dict(batch_size=int(batch_size or 8), lr=float(lr) if lr else 3e-2, seed=int(seed or 0), **budget)
+        options = dict(batch_size=int(batch_size or 8), **budget, **({"lr": float(lr)} if lr else {}))  # 0: default
         columns = ((prompt_column or "").strip() or "prompt", (completion_column or "").strip() or "completion")
-        out = session_dir(session) / f"run-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        out = new_run_dir(session)
         from capt.lm_training import check_options, read_pairs, train_lm
-        check_options(out, **{k: v for k, v in options.items() if k != "seed"})
+        check_options(out, config=config, **options)
     except Exception as e:
         yield {**state, "error": viz.error_message(e)}
         return
     name = canonical_name(backbone)
 
-    options["command"] = f"the app's Train tab: {Path(data_file).name}, {preset}"
+    options.update(seed=int(seed or 0), command=f"the app's Train tab: {Path(data_file).name}, {preset}")
 
     def work(emit, stop):
         emit({"kind": "info", "text": "checking the data…"})

@@ -34,9 +34,12 @@ from .training import CODE, describe_machine
 
 def check_options(out, max_steps: int = 500, eval_every: int = 50, patience: int = 10, batch_size: int = 8,
                   lr: float = 3e-2, resume: bool = False, max_minutes: float | None = None,
-                  flags: bool = False) -> None:
+                  config: CapsuleConfig | None = None, flags: bool = False) -> None:
     """train_lm's options, checked before anything is loaded: a CaptError that names each bad one (flags=True:
     as the command line's flags, --max-steps for max_steps)."""
+    if config is not None and config.head != "verbalizer":
+        raise CaptError("free text is learned with the backbone's own language-modelling head: set head to "
+                        "'verbalizer' (a linear head scores a task's labels)")
     name = (lambda k: "--" + k.replace("_", "-")) if flags else str
     bad = [f"{name(k)} {v!r} (valid: {want})" for k, v, ok, want in [
         ("max_steps", max_steps, isinstance(max_steps, int) and max_steps >= 1, "an integer >= 1"),
@@ -218,8 +221,8 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     "stopped_by": "stop requested", "max_minutes", "early stopping" or "max_steps"); either leaves a checkpoint
     of the step it ended at, so resume=True goes on from exactly there. test_pairs: rows never used to train or
     pick, whose loss (summary "test_loss", and "bare_test_loss" for the backbone alone) the kept capsule gets."""
-    check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes)
     config = config or CapsuleConfig()
+    check_options(out, max_steps, eval_every, patience, batch_size, lr, resume, max_minutes, config)
     if len(pairs) < 2:
         raise CaptError(f"{len(pairs)} pair(s); training needs at least 2 (90 % train, 10 % dev)")
     rows = [encode(backbone, config.n_slots, p, c) for p, c in pairs]

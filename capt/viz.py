@@ -363,7 +363,7 @@ def capsule_markdown(capsule, backbone) -> str:
             f"| capsule / backbone | {rep['share_percent']:.4f} % |\n\nOptions: fusion `{cfg.fusion}` · placement "
             f"`{cfg.placement}` · layers `{cfg.layers}` · head `{cfg.head}`: a capsule on {len(capsule.layer_ids)} "
             f"of {backbone.n_layers} layers, d = {backbone.hidden_size}")
-    if tr and "best_dev_loss" in tr:   # capt.lm_training: free text, no task and no test split
+    if tr and "best_dev_loss" in tr:   # capt.lm_training: free text, no task (a test split only if one was given)
         bare = f" (the backbone alone: {tr['bare_dev_loss']:.4f})" if tr.get("bare_dev_loss") else ""
         test = (f"; test loss {tr['test_loss']:.4f} on {tr['n_test']} rows (the backbone alone: "
                 f"{tr['bare_test_loss']:.4f})") if "test_loss" in tr else ""

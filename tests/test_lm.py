@@ -255,7 +255,8 @@ def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     assert "test_loss" not in train_lm(bb, pairs, tmp_path / "no-test", max_steps=1, eval_every=1)   # none given
     for kwargs, message in [(dict(lr=0), r"out of range: lr 0 \(valid: 0 < lr <= 1\)"),
                             (dict(max_steps=0, patience=0), "max_steps 0 .*; patience 0"),
-                            (dict(resume=True), "resume: no checkpoint in")]:
+                            (dict(resume=True), "resume: no checkpoint in"),
+                            (dict(config=capt.CapsuleConfig(head="linear")), "set head to 'verbalizer'")]:
         with pytest.raises(capt.CaptError, match=message):
             train_lm(bb, pairs, tmp_path / "other", **kwargs)
     with pytest.raises(capt.CaptError, match=r"out of range: --lr 0"):

@@ -190,7 +190,8 @@ SETTINGS_OF_A_RUN = ("seed", "out_dir")   # config keys that may differ between 
 def seeds_record(seeds_dir: Path, run: Path, ref: dict) -> dict:
     """A `python -m train --seeds ... --out SEEDS_DIR` run of CaPT alone, checked to have the settings of the
     compare RUN's CaPT run (`ref`, its summary.json), as results.json keeps it ("capt_seeds"): each seed's test
-    and dev metrics, the mean ± std, and whether the seed the compare trained came out bit for bit the same capsule."""
+    and dev metrics, the mean ± std, and whether the seed the compare trained came out bit for bit the same
+    capsule."""
     path = seeds_dir / "summary.json"
     s = _read_json(path, "--seeds takes the --out folder of `python -m train --seeds 0 1 2 ...`")
     if s.get("method") != "capt" or len(s.get("seeds") or []) < 2:
