@@ -14,6 +14,7 @@ and scheduler only: the backbone is never saved). `python -m train.lm` is its co
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -114,13 +115,21 @@ def split(rows: list, seed: int) -> tuple[list, list]:
 class Legs(TrainerCallback):
     """A Trainer callback that keeps, in each checkpoint, the training seconds so far (Trainer's state has no
     time) and which code and machine trained from which step ("trained_on", as `python -m train` records it),
-    so that a resumed run's summary covers every leg, a killed one's included."""
+    so that a resumed run's summary covers every leg, a killed one's included; and `kept` (the backbone alone's
+    dev loss and the digest of the dev rows it was measured on), so that a resumed leg (each of ZeroGPU's
+    time-boxed calls) need not measure it again."""
 
     FILE = "capt_legs.json"
 
-    def __init__(self, code: dict, resume_from: Path | None):
-        kept = resume_from / self.FILE if resume_from else None
-        prev = json.loads(kept.read_text()) if kept and kept.exists() else None
+    @classmethod
+    def read(cls, resume_from: Path | None) -> dict | None:
+        """What a checkpoint folder kept (None: no folder, or one written without the file)."""
+        kept = resume_from / cls.FILE if resume_from else None
+        return json.loads(kept.read_text()) if kept and kept.exists() else None
+
+    def __init__(self, code: dict, resume_from: Path | None, kept: dict | None = None):
+        prev = self.read(resume_from)
+        self.kept = kept or {}
         self.before = prev["seconds"] if prev else 0.0
         if resume_from is None:
             self.trained_on = [{"from_step": 0, "code": code}]
@@ -138,7 +147,8 @@ class Legs(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"   # Trainer's PREFIX_CHECKPOINT_DIR
-        (folder / self.FILE).write_text(json.dumps({"seconds": self.seconds(), "trained_on": self.trained_on}))
+        (folder / self.FILE).write_text(json.dumps({"seconds": self.seconds(), "trained_on": self.trained_on,
+                                                    **self.kept}))
 
 
 class Events(TrainerCallback):
@@ -229,9 +239,13 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     test = [encode(backbone, config.n_slots, p, c) for p, c in test_pairs or []]
     n_cut = sum(r.pop("cut") > 0 for r in rows + test)
     train, dev = split(rows, seed)
-    bare = dev_loss(backbone, None, dev, batch_size)
-    model = CapsuleLM(backbone, config=config, seed=seed)
     out = Path(out)
+    last = last_checkpoint(out) if resume else None
+    digest = hashlib.sha256(json.dumps([batch_size, dev]).encode()).hexdigest()   # what the bare loss depends on
+    prev = Legs.read(Path(last) if last else None) or {}
+    bare = (prev["bare_dev_loss"] if prev.get("dev_digest") == digest
+            else dev_loss(backbone, None, dev, batch_size))   # resumed on the same dev rows: measured already
+    model = CapsuleLM(backbone, config=config, seed=seed)
     on_gpu = backbone.device.type == "cuda"
     targs = TrainingArguments(
         output_dir=str(out / "trainer"), max_steps=max_steps, per_device_train_batch_size=batch_size,
@@ -242,9 +256,8 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
         metric_for_best_model="eval_loss", greater_is_better=False,
         logging_steps=1 if callback else min(10, eval_every), disable_tqdm=callback is not None,
         report_to=[], seed=seed, use_cpu=not on_gpu)
-    last = last_checkpoint(out) if resume else None
     code = {**CODE, "machine": describe_machine(backbone.device)}
-    legs = Legs(code, Path(last) if last else None)
+    legs = Legs(code, Path(last) if last else None, kept={"bare_dev_loss": bare, "dev_digest": digest})
     events = Events(callback, stop, batch_size, max_minutes * 60 if max_minutes else None, clock=legs.seconds)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
                       data_collator=Collator(backbone.tokenizer.pad_token_id),

@@ -199,16 +199,26 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
     assert summary["trained_on"] == [{"from_step": 0, "code": summary["code"]}]
     kept = json.loads((out / "trainer" / "checkpoint-6" / "capt_legs.json").read_text())   # what resuming reads
     assert kept["seconds"] > 0 and kept["trained_on"] == summary["trained_on"]
+    assert kept["bare_dev_loss"] == summary["bare_dev_loss"]   # measured once; a resumed leg reads it back:
+    (out / "trainer" / "checkpoint-6" / "capt_legs.json").write_text(json.dumps({**kept, "bare_dev_loss": 123.0}))
     assert main(common + ["--max-steps", "9", "--resume"]) == 0
     resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["bare_dev_loss"] == 123.0   # read, not measured again (the planted value shows it)
     assert resumed["steps"] == 9 and sorted(resumed["dev_losses"]) == ["3", "6", "9"]   # Trainer's log goes on
     first, then = resumed["trained_on"]   # every leg: the first run's seconds carried over from its checkpoint
     assert (first["from_step"], then["from_step"]) == (0, 6) and first == summary["trained_on"][0]
     assert then["from_seconds"] == round(kept["seconds"], 1) <= resumed["train_seconds"]
     (out / "trainer" / "checkpoint-9" / "capt_legs.json").unlink()   # a checkpoint that predates the file
     assert main(common + ["--max-steps", "10", "--resume"]) == 0
-    assert json.loads((out / "summary.json").read_text())["trained_on"] == [
+    again = json.loads((out / "summary.json").read_text())
+    assert again["trained_on"] == [
         {"from_step": 0, "code": None}, {"from_step": 9, "from_seconds": 0.0, "code": summary["code"]}]
+    assert again["bare_dev_loss"] == pytest.approx(summary["bare_dev_loss"], rel=1e-6)   # nothing kept: measured
+    legs = out / "trainer" / "checkpoint-10" / "capt_legs.json"   # kept for other dev rows: measured, not read
+    legs.write_text(json.dumps({**json.loads(legs.read_text()), "bare_dev_loss": 123.0, "dev_digest": "other rows"}))
+    assert main(common + ["--max-steps", "11", "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["bare_dev_loss"] == pytest.approx(summary["bare_dev_loss"],
+                                                                                          rel=1e-6)
     assert main(common[:-1] + [str(tmp_path / "none"), "--max-steps", "3", "--resume"]) == 2
     assert "--resume: no checkpoint in" in capsys.readouterr().err
     with data.open("a") as f:   # a prompt over the model's limit: cut, counted and said
