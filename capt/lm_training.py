@@ -270,8 +270,12 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
         trainer.evaluate()                                              # the capsule it has, measured
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     best = min(evals, key=lambda h: h["eval_loss"]) if evals else None
-    summary = {"command": command, "backbone": backbone.name, "n_train": len(train), "n_dev": len(dev),
+    summary = {"command": command, "backbone": backbone.name, "backbone_revision": backbone.revision,
+               "backbone_params": backbone.n_params, "n_train": len(train), "n_dev": len(dev),
                "n_prompts_cut": n_cut, "steps": trainer.state.global_step, "max_steps": max_steps,
+               "settings": {"max_steps": max_steps, "eval_every": eval_every, "patience": patience,
+                            "batch_size": batch_size, "lr": lr, "seed": seed, "max_minutes": max_minutes,
+                            "dtype": str(next(backbone.model.parameters()).dtype).removeprefix("torch.")},
                "stopped_by": "max_steps" if trainer.state.global_step >= max_steps   # done, whatever else said so
                else events.stopped_by or "early stopping",
                "best_step": best and best["step"], "best_dev_loss": best and best["eval_loss"],

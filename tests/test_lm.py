@@ -253,6 +253,8 @@ def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     summary = train_lm(bb, pairs, tmp_path / "run", capt.CapsuleConfig(layers="odd"), max_steps=4, eval_every=2,
                        batch_size=2, test_pairs=test_pairs)
     assert (summary["steps"], summary["n_train"], summary["n_dev"], summary["command"]) == (4, 27, 3, None)
+    assert summary["settings"] == {"max_steps": 4, "eval_every": 2, "patience": 10, "batch_size": 2, "lr": 3e-2,
+                                   "seed": 0, "max_minutes": None, "dtype": "float32"}   # what a card states
     capsule, task = capt.load_capsule(summary["capsule_dir"], bb)
     assert task is None and capsule.config.layers == "odd" and capsule.layer_ids == [0, 2]
     dev = [{k: v for k, v in r.items() if k != "cut"} for r in split([encode(bb, 1, p, c) for p, c in pairs], 0)[1]]

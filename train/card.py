@@ -4,10 +4,13 @@
     python -m train.card runs/rte --to capsules/smollm2-135m/rte --seeds runs/rte-seeds   # + CaPT alone, 3 seeds
     python -m train.card capsules/smollm2-135m --table        # the README's cross-task table
     python -m train.card capsules/smollm2-135m/rte --baseline-seeds runs/rte-baselines   # + baselines' seeds
+    python -m train.card runs/copa-text --to capsules/smollm2-135m/copa-text   # a `python -m train.lm` run
 
 Copies RUN/capt/capsule (capsule.json + capsule.safetensors) and writes README.md beside it with the
 exact command, the data split, the training time measured on this machine and the test metrics of every
-method in RUN/compare.json. Every number in the card is read from the run's own files.
+method in RUN/compare.json. Every number in the card is read from the run's own files. For a free-text run
+(`python -m train.lm --out RUN`: RUN/summary.json, no compare.json) the card gives the command, the split, the
+settings, the training time and the dev loss at every evaluation beside the backbone alone's.
 
 --baseline-seeds amends a shipped card of a one-seed compare (its run folder need not exist any more) with a
 `python -m train compare --methods linear-head p-tuning-v2 --seeds 1 2 ...` run made with the compare's
@@ -111,7 +114,7 @@ def card_text(compare: dict, summary: dict, command: str, steps: dict | None = N
     return f"""---
 library_name: capt
 tags: [capt, capsule-prompt-tuning, peft, superglue]
-base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+base_model: {BASE_MODELS.get(summary['backbone'], summary['backbone'])}
 ---
 # CaPT capsule: {summary['task']} on {summary['backbone']}
 
@@ -147,6 +150,64 @@ capt.predict(bb, task, example, capsule=capsule)
 {per_seed}{_notes(rows, primary, cfg, summary, notes)}{CARD_TAIL} Majority class always predicts the most frequent
 training label; zero-shot is the bare backbone scoring the label words with the same prompt.
 """
+
+
+def lm_card_text(summary: dict, folder: str, extra: list | None = None) -> str:
+    """The model card of a free-text capsule (a `python -m train.lm` run, capt.lm_training.train_lm): how it was
+    made and its dev loss beside the backbone alone's at every evaluation, all read from the run's summary."""
+    st = summary["settings"]
+    losses = [("the backbone alone", summary["bare_dev_loss"])] + [
+        (f"step {k}" + (" (kept)" if int(k) == summary["best_step"] else ""), v)
+        for k, v in sorted(summary["dev_losses"].items(), key=lambda kv: int(kv[0]))]
+    table = "\n".join(["| | dev loss |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in losses])
+    test = (f"\n\nOn {summary['n_test']} test rows (never trained on nor used to pick): {summary['test_loss']:.3f} "
+            f"with the capsule, {summary['bare_test_loss']:.3f} with the backbone alone." if "test_loss" in summary
+            else "\n\nNo test rows were given (`--test-file`): the dev rows above also picked the capsule kept.")
+    cut = summary["n_prompts_cut"]
+    notes = "\n".join(f"- {n}" for n in extra or [])
+    return f"""---
+library_name: capt
+tags: [capt, capsule-prompt-tuning, peft, text-generation]
+base_model: {BASE_MODELS.get(summary['backbone'], summary['backbone'])}
+---
+# CaPT capsule: free text on {summary['backbone']} ({Path(folder).name})
+
+A Capsule Prompt-Tuning capsule ({summary['n_trainable']:,} trainable numbers, {100 * summary['n_trainable'] /
+summary['backbone_params']:.4f} % of the backbone) trained on free text, each prompt followed by its completion,
+with the backbone's own language-modelling loss (`capt.lm_training.train_lm`), on `{summary['backbone']}`
+({summary['backbone_revision']}). It has no task: it continues prompts. Capsule options:
+{summary['capsule']}.
+
+```python
+import capt
+bb = capt.load_backbone("{summary['backbone']}")
+capsule, _ = capt.load_capsule("{folder}", bb)
+capt.generate(bb, prompt, capsule=capsule, max_new_tokens=16).text
+```
+
+## How it was made
+
+```bash
+{shown_command(summary['command'] or '(command not recorded)')}
+```
+
+- Data: {summary['n_train']} train and {summary['n_dev']} dev rows (a seeded 90/10 split, seed {st['seed']}; the dev
+  loss picks the capsule kept){f"; {cut} prompt(s) cut at the start to fit the backbone" if cut else ""}. Each
+  completion is learned with an end-of-sequence token after it.
+- Training: {summary['steps']} steps (best dev loss at step {summary['best_step']}, stopped by: {summary['stopped_by']}),
+  batch {st['batch_size']}, AdamW lr {st['lr']} (constant), a dev evaluation every {st['eval_every']} steps, patience
+  {st['patience']}, seed {st['seed']}, {st['dtype']}; {summary['train_seconds']:.0f} s of training on {_where_trained(summary)}.{_code(summary)}
+
+## Dev loss
+
+Mean loss per completion token (nats, the end token included; Trainer's evaluation), the backbone alone and
+the capsule at every evaluation:
+
+{table}{test}
+{notes and chr(10) + notes + chr(10)}"""
+
+
+BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}   # the embedded backbones' hub models
 
 
 CARD_TAIL = "\n\nMetrics are percentages on the test split named above."   # the notes end here (--baseline-seeds)
@@ -527,7 +588,8 @@ def _seeds_cell(compare: dict, row: dict, metric: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.card", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", help="the --out folder of a `python -m train compare` run that included capt, or "
+    p.add_argument("run", help="the --out folder of a `python -m train compare` run that included capt (or of a "
+                               "`python -m train.lm` run), or "
                                "with --table a folder of shipped capsules (capsules/<backbone>)")
     p.add_argument("--to", help="the shipped capsule folder to write")
     p.add_argument("--table", action="store_true", help="print the cross-task results table instead")
@@ -556,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.to:
         p.error("--to is required unless --table is given")
     run = Path(args.run)
+    if not (run / "compare.json").exists() and (run / "summary.json").exists():   # a free-text run (train.lm)
+        return write_lm_card(run, Path(args.to), args.note)
     try:
         compare = json.loads((run / "compare.json").read_text())
         summary = json.loads((run / "capt" / "summary.json").read_text())
@@ -585,6 +649,26 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(f, tmp / f.name)
         (tmp / "README.md").write_text(card_text(compare, summary, command, steps, args.note, seeds_run, counts))
         (tmp / "results.json").write_text(json.dumps(compare, indent=2) + "\n")
+    print(f"wrote {target}")
+    return 0
+
+
+def write_lm_card(run: Path, target: Path, notes: list) -> int:
+    """RUN/capsule and its card into TARGET, for a `python -m train.lm --out RUN` run."""
+    summary = json.loads((run / "summary.json").read_text())
+    if "bare_dev_loss" not in summary:
+        print(f"error: {run / 'summary.json'} is neither a compare run's (no compare.json beside it) nor a "
+              "`python -m train.lm` run's", file=sys.stderr)
+        return 2
+    if "settings" not in summary:
+        print(f"error: {run / 'summary.json'} predates runs recording their settings (batch, lr, seed); rerun its "
+              f"command: {summary.get('command')}", file=sys.stderr)
+        return 2
+    with atomic_folder(target) as tmp:
+        for f in (run / "capsule").iterdir():
+            shutil.copy(f, tmp / f.name)
+        shown = target.resolve().relative_to(ROOT) if target.resolve().is_relative_to(ROOT) else target
+        (tmp / "README.md").write_text(lm_card_text(summary, shown.as_posix(), notes))
     print(f"wrote {target}")
     return 0
 
