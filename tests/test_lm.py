@@ -239,6 +239,52 @@ def test_the_lm_cli_trains_keeps_the_best_dev_loss_and_resumes(tmp_path, capsys)
         assert re.search(message, capsys.readouterr().err), change
 
 
+def test_a_free_text_run_ships_with_its_card(tmp_path, capsys):
+    """`python -m train.card RUN --to FOLDER` on a `python -m train.lm` run: the capsule (task-less, loadable)
+    and a card whose command, settings, machine and every dev loss are the run's own; the cross-task table
+    passes it over; a summary of neither kind, or one from before runs recorded their settings, is refused."""
+    import json
+
+    from train.card import main as card
+    from train.lm import main
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"q": f"say {w}{i}:", "a": f" {w} {w}"}) + "\n" for i in range(2) for w in WORDS))
+    run = tmp_path / "run"
+    assert main(["--data-file", str(data), "--prompt-field", "q", "--completion-field", "a", "--backbone",
+                 "tiny-llama", "--max-steps", "4", "--eval-every", "2", "--batch-size", "4", "--lr", "0.01",
+                 "--out", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    shipped = tmp_path / "capsules" / "tiny-llama" / "qa"
+    assert card([str(run), "--to", str(shipped), "--note", "made for a test"]) == 0
+    assert sorted(p.name for p in shipped.iterdir()) == ["README.md", "capsule.json", "capsule.safetensors"]
+    capsule, task = capt.load_capsule(shipped, tiny("tiny-llama"))
+    assert task is None and capsule.meta["training"]["best_dev_loss"] == summary["best_dev_loss"]
+    text = (shipped / "README.md").read_text()
+    flat = " ".join(text.split())   # the card's prose is wrapped
+    assert summary["command"] in text and "python -m train.lm --data-file" in text
+    assert f"{summary['n_train']} train and {summary['n_dev']} dev rows" in flat
+    assert "batch 4, AdamW lr 0.01 (constant), a dev evaluation every 2 steps, patience 10, seed 0, float32" in flat
+    assert f"| the backbone alone | {summary['bare_dev_loss']:.3f} |" in text
+    best = summary["best_step"]
+    for step, loss in summary["dev_losses"].items():
+        assert f"| step {step}{' (kept)' * (int(step) == best)} | {loss:.3f} |" in text
+    m = summary["code"]["machine"]
+    assert f"s of training on {m['cores']} CPU cores ({m['cpu']}, {m['isa']})" in flat and "- made for a test" in text
+    assert "No test rows were given" in flat
+    capsys.readouterr()
+    assert card([str(tmp_path / "capsules" / "tiny-llama"), "--table"]) == 0
+    assert "no shipped capsules with results.json" in capsys.readouterr().out   # a free-text capsule has no row
+    old = dict(summary)
+    del old["settings"]
+    (run / "summary.json").write_text(json.dumps(old))
+    assert card([str(run), "--to", str(tmp_path / "other")]) == 2
+    assert "predates runs recording their settings" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    (run / "summary.json").write_text(json.dumps({"command": "something else"}))
+    assert card([str(run), "--to", str(tmp_path / "other")]) == 2
+    assert "neither a compare run's" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
 def test_train_lm_in_one_call_from_the_library(tmp_path, arch):
     """capt.lm_training.train_lm, what python -m train.lm calls: pairs in, a loadable capsule folder and the
