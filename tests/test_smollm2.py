@@ -169,6 +169,13 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
     for config in shipped:
         folder = config.parent
         capsule, task = capt.load_capsule(folder, smol)
+        if task is None:   # a free-text capsule (python -m train.lm): the card gives its run's command and losses
+            run = capsule.meta["training"]
+            card = (folder / "README.md").read_text()
+            assert shown_is_recorded(card, run["command"]) and capsule.n_capsule_params() == 17_280
+            assert f"| step {run['best_step']} (kept) | {run['best_dev_loss']:.3f} |" in card
+            assert f"| the backbone alone | {run['bare_dev_loss']:.3f} |" in card
+            continue
         assert task.name == folder.name and capsule.n_capsule_params() == 17_280
         example = capt.load_examples(task, "val", limit=1)[0]
         assert abs(sum(capt.predict(smol, task, example, capsule=capsule).probs.values()) - 1) < 1e-5
@@ -215,6 +222,32 @@ def test_shipped_capsule_reproduces_its_test_score(smol, task_name):
         assert got["counts"] == {"entailment": {"entailment": 17, "contradiction": 6, "neutral": 0},
                                  "contradiction": {"entailment": 9, "contradiction": 19, "neutral": 0},
                                  "neutral": {"entailment": 2, "contradiction": 3, "neutral": 0}}
+
+
+def test_shipped_free_text_capsule_reproduces_its_dev_loss_and_answers(smol):
+    """capsules/smollm2-135m/copa-text, from its files alone: the README's data recipe (COPA train, each prompt
+    with its correct alternative) split as train.lm splits it gives back the dev losses its card records, with the
+    capsule and with the backbone alone; and on COPA's first val prompt it answers in COPA's form and stops,
+    where the backbone alone runs on (the README's example)."""
+    from pathlib import Path
+
+    from capt.lm_training import dev_loss, encode, split
+
+    capsule, task = capt.load_capsule(Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m" / "copa-text",
+                                      smol)
+    run = capsule.meta["training"]
+    copa = capt.get_task("copa")
+    rendered = [copa.render(e, "lm") for e in capt.load_examples(copa, "train")]
+    rows = [encode(smol, 1, r.prompt, r.choices[r.label]) for r in rendered]
+    dev = [{k: v for k, v in r.items() if k != "cut"} for r in split(rows, run["settings"]["seed"])[1]]
+    assert task is None and len(dev) == run["n_dev"] == 40
+    batch = run["settings"]["batch_size"]
+    assert dev_loss(smol, capsule, dev, batch) == pytest.approx(run["best_dev_loss"], rel=1e-4)
+    assert dev_loss(smol, None, dev, batch) == pytest.approx(run["bare_dev_loss"], rel=1e-4)
+    prompt = copa.render(capt.load_examples(copa, "val")[0], smol.style).prompt
+    assert prompt.endswith("The man turned on the faucet therefore")
+    assert capt.generate(smol, prompt, capsule=capsule, max_new_tokens=16).text == " the water ran."
+    assert capt.generate(smol, prompt, max_new_tokens=16).text.startswith(" he will have to wait")
 
 
 def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch, serve):

@@ -204,7 +204,7 @@ Mean loss per completion token (nats, the end token included; Trainer's evaluati
 the capsule at every evaluation:
 
 {table}{test}
-{notes and chr(10) + notes + chr(10)}"""
+{notes and chr(10) + "## Notes" + chr(10) * 2 + notes + chr(10)}"""
 
 
 BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}   # the embedded backbones' hub models
