@@ -275,6 +275,9 @@ def test_a_free_text_run_ships_with_its_card(tmp_path, capsys):
     capsys.readouterr()
     assert card([str(tmp_path / "capsules" / "tiny-llama"), "--table"]) == 0
     assert "no shipped capsules with results.json" in capsys.readouterr().out   # a free-text capsule has no row
+    with pytest.raises(SystemExit):   # argparse: exit 2 with the reason
+        card([str(run), "--to", str(tmp_path / "other"), "--seeds", str(run)])
+    assert "RUN is a free-text run" in capsys.readouterr().err
     old = dict(summary)
     del old["settings"]
     (run / "summary.json").write_text(json.dumps(old))

@@ -619,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--to is required unless --table is given")
     run = Path(args.run)
     if not (run / "compare.json").exists() and (run / "summary.json").exists():   # a free-text run (train.lm)
+        if args.seeds:
+            p.error("--seeds adds a classification task's seeds to a compare run's card; RUN is a free-text run")
         return write_lm_card(run, Path(args.to), args.note)
     try:
         compare = json.loads((run / "compare.json").read_text())
