@@ -121,15 +121,10 @@ class Legs(TrainerCallback):
 
     FILE = "capt_legs.json"
 
-    @classmethod
-    def read(cls, resume_from: Path | None) -> dict | None:
-        """What a checkpoint folder kept (None: no folder, or one written without the file)."""
-        kept = resume_from / cls.FILE if resume_from else None
-        return json.loads(kept.read_text()) if kept and kept.exists() else None
-
-    def __init__(self, code: dict, resume_from: Path | None, kept: dict | None = None):
-        prev = self.read(resume_from)
-        self.kept = kept or {}
+    def __init__(self, code: dict, resume_from: Path | None):
+        kept = resume_from / self.FILE if resume_from else None
+        prev = json.loads(kept.read_text()) if kept and kept.exists() else None
+        self.prev, self.kept = prev or {}, {}   # what the checkpoint kept; what this leg's checkpoints will keep
         self.before = prev["seconds"] if prev else 0.0
         if resume_from is None:
             self.trained_on = [{"from_step": 0, "code": code}]
@@ -241,10 +236,12 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
     train, dev = split(rows, seed)
     out = Path(out)
     last = last_checkpoint(out) if resume else None
+    code = {**CODE, "machine": describe_machine(backbone.device)}
+    legs = Legs(code, Path(last) if last else None)
     digest = hashlib.sha256(json.dumps([batch_size, dev]).encode()).hexdigest()   # what the bare loss depends on
-    prev = Legs.read(Path(last) if last else None) or {}
-    bare = (prev["bare_dev_loss"] if prev.get("dev_digest") == digest
+    bare = (legs.prev["bare_dev_loss"] if legs.prev.get("dev_digest") == digest
             else dev_loss(backbone, None, dev, batch_size))   # resumed on the same dev rows: measured already
+    legs.kept = {"bare_dev_loss": bare, "dev_digest": digest}
     model = CapsuleLM(backbone, config=config, seed=seed)
     on_gpu = backbone.device.type == "cuda"
     targs = TrainingArguments(
@@ -256,8 +253,6 @@ def train_lm(backbone: Backbone, pairs: list[tuple[str, str]], out, config: Caps
         metric_for_best_model="eval_loss", greater_is_better=False,
         logging_steps=1 if callback else min(10, eval_every), disable_tqdm=callback is not None,
         report_to=[], seed=seed, use_cpu=not on_gpu)
-    code = {**CODE, "machine": describe_machine(backbone.device)}
-    legs = Legs(code, Path(last) if last else None, kept={"bare_dev_loss": bare, "dev_digest": digest})
     events = Events(callback, stop, batch_size, max_minutes * 60 if max_minutes else None, clock=legs.seconds)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
                       data_collator=Collator(backbone.tokenizer.pad_token_id),
