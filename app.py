@@ -176,15 +176,22 @@ def load_chosen(backbone: str, capsule: str, session: dict | None):
     return bb, cap, cap_task
 
 
-def task_choice(value: str, session: dict | None) -> tuple[str | None, str]:
-    """The Task box for a capsule: a built-in task's name, or CUSTOM and a JSON template of its fields."""
+FREE_TEXT_NOTE = ("This capsule was trained on free text, not on a task's labels: type a prompt under *What the "
+                  "backbone writes after the prompt* and press Generate to see what it learned (Predict scores the "
+                  "Task box's labels with it).")
+
+
+def task_choice(value: str, session: dict | None) -> tuple[str | None, str, bool]:
+    """What choosing a capsule sets: the Task box (a built-in task's name, or CUSTOM and a JSON template of its
+    fields; None: leave it) and whether it was trained on free text (no task: the generation view opens)."""
     try:
-        task = capsule_task(value) if value != NONE and known_capsule(value, session) else None
+        known = value != NONE and known_capsule(value, session)
+        task = capsule_task(value) if known else None
     except CaptError:   # a broken capsule: leave the task as it is, Predict will say what is wrong
-        return None, ""
+        return None, "", False
     if task is None or task in capt.TASKS.values():
-        return getattr(task, "name", None), ""
-    return CUSTOM, json.dumps({f: "" for f in task.fields})
+        return getattr(task, "name", None), "", known and task is None
+    return CUSTOM, json.dumps({f: "" for f in task.fields}), False
 
 
 def upload_capsule(zip_path: str | None, backbone: str, session: dict) -> tuple[dict, str | None, str]:
@@ -379,7 +386,8 @@ def new_run_dir(session: dict) -> Path:
 
 
 def _initial_state(session: dict) -> dict:
-    return dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, ""), error="",
+    return dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, "", False),
+                error="",
                 runs=viz.runs_table(session.get("runs", [])))
 
 
@@ -458,7 +466,7 @@ def _finish_text(summary: dict, session: dict) -> dict:
     return {"progress": viz.lm_summary_markdown(summary) + " The capsule is now selected: try it in the Predict "
                         "tab's generation view with your own prompt.",
             "capsule": str(path), "zip": str(export_zip(path, path.parent / f"{name}.zip")),
-            "runs": viz.runs_table(session["runs"])}
+            "runs": viz.runs_table(session["runs"]), "task": task_choice(str(path), session)}
 
 
 def train_chunk(cfg: TrainConfig, resume: bool, stop: StopFile):
@@ -544,7 +552,7 @@ def _finish(summary: dict, session: dict) -> dict:
     Attention, a soft prompt (prompt-tuning) is offered for the attention comparison; every run joins the table."""
     key, method = summary["selection_metric"], summary["method"]
     session.setdefault("runs", []).append(viz.run_row(summary, time.strftime("%H:%M:%S")))
-    out = {"progress": viz.summary_markdown(summary), "capsule": None, "zip": None, "task": (None, ""),
+    out = {"progress": viz.summary_markdown(summary), "capsule": None, "zip": None, "task": (None, "", False),
            "runs": viz.runs_table(session["runs"])}
     if not summary.get("artifact"):   # the linear head keeps nothing to reuse
         return out
@@ -597,6 +605,11 @@ def build_demo():
         except Exception as e:
             return *[gr.skip()] * len(FIELDS), toast(viz.error_message(e)), None
 
+    def chosen(choice, clear):   # a chosen capsule sets the Task box; one trained on free text opens the generation
+        task_name, fields, free = choice   # view with a note; `clear`: the note shown before goes
+        return (task_name or gr.skip(), fields or gr.skip(), gr.update(open=True) if free else gr.skip(),
+                FREE_TEXT_NOTE if free else "" if clear else gr.skip())
+
     def on_upload(zip_path, backbone, hub_id, session):
         session, value, err = upload_capsule(zip_path, hub_id or backbone, session)
         return session, gr.update(choices=capsule_choices(hub_id or backbone, session), value=value or NONE), toast(err)
@@ -613,8 +626,8 @@ def build_demo():
             runs = train_run(session=session, session_id=sid, **kw)
         for s in runs:
             picks = (bb if bb in BACKBONES else gr.skip(), "" if bb in BACKBONES else bb, gr.update(
-                choices=capsule_choices(bb, s["session"]), value=s["capsule"]), s["task"][0] or gr.skip(),
-                s["task"][1] or gr.skip()) if s["capsule"] else (gr.skip(),) * 5
+                choices=capsule_choices(bb, s["session"]), value=s["capsule"]), *chosen(s["task"], clear=True)) \
+                if s["capsule"] else (gr.skip(),) * 7
             softs = gr.update(choices=soft_prompt_choices(bb, s["session"])) if s["zip"] else gr.skip()
             yield (s["loss"], s["dev"], s["progress"], toast(s["error"]), s["zip"], s["session"], *picks, s["runs"],
                    softs)
@@ -657,7 +670,7 @@ def build_demo():
                 predict_btn = gr.Button("Predict", variant="primary")
                 probs, report = gr.Plot(label="label probabilities with and without the capsule"), gr.Markdown()
                 with gr.Accordion("What the backbone writes after the prompt (greedy), without and with the capsule",
-                                  open=False):
+                                  open=False) as gen_box:
                     with gr.Row():
                         gen_tokens = gr.Slider(1, 64, value=24, step=1, label="new tokens")
                         gen_btn = gr.Button("Generate", size="sm")
@@ -752,19 +765,22 @@ def build_demo():
         probe_btn.click(warned(probe_view), api_name="probe", outputs=[probe_fig, probe_md, err],
                         inputs_kwargs=dict(backbone=backbone, hub_id=hub_id, capsule=capsule, task=task,
                                            session=session, n_examples=probe_n, ks=probe_ks))
-        train_btn.click(on_train, inputs_kwargs={**t, "session": session}, api_name="train", concurrency_limit=1,
-                        concurrency_id="train", outputs=[*curves, progress, t_err, download, session, backbone, hub_id,
-                                                         capsule, task, custom, runs_md, soft])
+        train_btn.click(on_train, inputs_kwargs={**t, "session": session}, api_name="train",
+                        concurrency_limit=1, concurrency_id="train",
+                        outputs=[*curves, progress, t_err, download, session, backbone, hub_id, capsule, task, custom,
+                                 gen_box, note, runs_md, soft])
         push_btn.click(push_capsule, [hub_repo, hub_token, session, hub_private], push_md, **private)
         stop_btn.click(on_stop, outputs=t_err, api_name="stop", concurrency_limit=None)
         gr.on([backbone.input, hub_id.submit], refresh, [backbone, hub_id, capsule, soft, session], [capsule, soft],
               **private)
-        capsule.input(lambda c, s: [v or gr.skip() for v in task_choice(c, s)], [capsule, session], [task, custom],
-                      **private)
+        on_pick = dict(fn=lambda c, s, n: chosen(task_choice(c, s), clear=n == FREE_TEXT_NOTE),
+                       inputs=[capsule, session, note], outputs=[task, custom, gen_box, note], **private)
+        capsule.input(**on_pick)
         task.change(lambda v: [gr.update(visible=x) for x in visible_fields(v)], task, [*boxes.values(), custom],
                     **private)
         example_event = example_btn.click(on_example, task, [*boxes.values(), note, picked], **private)
-        zip_up.upload(on_upload, [zip_up, backbone, hub_id, session], [session, capsule, err], **private)
+        zip_up.upload(on_upload, [zip_up, backbone, hub_id, session], [session, capsule, err], **private).then(
+            **on_pick)   # an uploaded capsule is chosen as if picked: its task too
         labelled, text = [t[k] for k in ("task_name", "columns", "label_column", "label_words")], [
             t["prompt_column"], t["completion_column"]]
         t["source"].change(lambda s: (gr.update(visible=s != "built-in task"),

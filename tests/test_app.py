@@ -54,7 +54,7 @@ def test_train_streams_progress_and_yields_a_usable_capsule(trained, tmp_path):
         ("entailment", 23, 23), ("contradiction", 28, 28), ("neutral", 5, 5)]
     assert any(s["progress"].startswith("step ") for s in states)          # live progress with ETA
     assert final["loss"] is not None and final["dev"] is not None           # live loss and dev curves
-    assert final["task"] == ("cb", "")
+    assert final["task"] == ("cb", "", False)
     path = final["capsule"]
     assert path.startswith(session["dir"]) and os.path.isfile(os.path.join(path, "capsule.json"))
     assert [c["path"] for c in session["capsules"]] == [path]
@@ -112,6 +112,7 @@ def test_a_free_text_capsule_uploads_and_generates_after_your_own_prompt(tmp_pat
     session = new_session(tmp_path)
     session, path, msg = app.upload_capsule(str(export_zip(tmp_path / "run" / "capsule")), BB, session)
     assert msg == "" and "(no task)" in session["capsules"][-1]["label"]
+    assert app.task_choice(path, session) == (None, "", True)   # chosen: the Task box stays, generation opens
     report = app.predict_view(BB, path, "rte", session=session, **CB)[1]
     assert re.search(r"Trained on free text \(9 prompt → completion rows\): 2 steps, best dev loss \d\.\d{4} at "
                      r"step 2 \(the backbone alone: \d\.\d{4}\)", report)
@@ -146,6 +147,7 @@ def test_free_text_trains_in_the_browser_and_generates(tmp_path):
                      final["progress"])
     assert list(final["loss"].data[0].x) == [1, 2, 3]   # a loss point per step (the live line: the Stop part below)
     assert final["dev"].layout.yaxis.title.text == "loss"
+    assert final["task"] == (None, "", True)   # selected: the Task box stays, the generation view opens
     path = final["capsule"]
     entry = session["capsules"][-1]
     assert entry["path"] == path and "trained: free text · 3 steps" in entry["label"]
@@ -260,7 +262,7 @@ def test_custom_file_capsule_and_upload_round_trip(tmp_path):
                                 columns="text=review", label_column="stars", label_words="c=yes, d=no", max_steps=2,
                                 fusion="project", layers="0, 2"))
     final = states[-1]
-    assert final["error"] == "" and final["task"] == (app.CUSTOM, '{"text": ""}')
+    assert final["error"] == "" and final["task"] == (app.CUSTOM, '{"text": ""}', False)
     fig, report, err = app.predict_view(BB, final["capsule"], app.CUSTOM, session=session,
                                         custom_fields='{"text": "the cat 3"}')
     assert err == "" and list(fig.data[0].x) == ["yes", "no"] and "fusion `project`" in report
@@ -285,6 +287,17 @@ def test_stop_ends_training_and_keeps_the_capsule(tmp_path):
             stopped = True
     assert stopped and state["error"] == "" and "(stop requested)" in state["progress"]
     assert os.path.isdir(state["capsule"]) and "stopper" not in app._STOPS
+
+
+def test_choosing_a_shipped_capsule_sets_the_task_box():
+    """A capsule chosen from the list sets the Task box to its task; the free-text one leaves it and opens the
+    generation view; nothing chosen, or a path that is not on the list, changes nothing."""
+    shipped = {os.path.basename(c): str(c) for c in app.find_capsules(app.SHIPPED) if "smollm2-135m" in str(c)}
+    for name in ("boolq", "cb", "copa", "multirc", "rte", "wic"):
+        assert app.task_choice(shipped[name], None) == (name, "", False)
+    assert app.task_choice(shipped["copa-text"], None) == (None, "", True)
+    assert app.task_choice(app.NONE, None) == (None, "", False)
+    assert app.task_choice("/nowhere/capsule", None) == (None, "", False)
 
 
 def test_examples_and_field_visibility():
@@ -353,8 +366,9 @@ def test_gradio_client_round_trip(tmp_path, monkeypatch, serve):
         out = client.predict(backbone=BB, source=app.OWN_TEXT, data_file=handle_file(write_pairs(tmp_path / "p.jsonl")),
                              prompt_column="q", completion_column="a", preset="quick: 20 steps", max_steps=2,
                              api_name="/train")   # free text through the same endpoint: its own columns
-        progress, err, capsule = out[2], out[3], out[7]
+        progress, err, capsule, note = out[2], out[3], out[7], out[10]   # the accordion is not an output here
         assert err == "" and progress.startswith("**Done** (max_steps): 2 steps")
+        assert note == app.FREE_TEXT_NOTE   # and the generation view opens: what such a capsule is for
         assert "free text" in capsule["choices"][-1][0]
         # another client is another session: it cannot read the first one's capsule
         other = Client(url, verbose=False)

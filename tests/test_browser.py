@@ -283,10 +283,26 @@ def test_train_then_stop_keeps_the_best_capsule(page, tmp_path):
     expect(panel(page).get_by_text(re.compile(r"^with capsule: \w+ \(\d+\.\d %\)"))).to_be_visible()
     no_trouble(page)
 
+    # its zip uploaded back (as a colleague would) is chosen with its task, as if picked from the list
+    task = field(page, "Task")
+    task.click()
+    page.get_by_role("option", name="rte", exact=True).click()
+    expect(task).to_have_value("rte")
+    page.locator("input[type=file]").filter(visible=False).first.set_input_files(str(saved))
+    expect(field(page, "Capsule")).to_have_value(re.compile(r"^uploaded: .*cb.* \(cb\)$"), timeout=SLOW)
+    expect(task).to_have_value("cb", timeout=SLOW)
+    no_trouble(page)
+
 
 def test_free_text_trains_and_continues_your_own_prompt(page, tmp_path):
     """The Train tab's free-text source: its own column boxes (the task's label boxes hidden), a prompt →
-    completion file trained, and the new capsule continuing your own prompt in Predict's generation view."""
+    completion file trained, and the new capsule continuing your own prompt in Predict's generation view, which
+    opens for it with a note on what such a capsule is for."""
+    page.get_by_role("tab", name="Predict", exact=True).click()
+    own = panel(page).get_by_role("textbox", name=re.compile(r"^your own prompt \(optional\) generate after"))
+    if own.is_visible():   # open after the tests before: closed, so that its opening below is the app's doing
+        panel(page).get_by_text("What the backbone writes after the prompt", exact=False).click()
+    expect(own).to_be_hidden()
     page.get_by_role("tab", name="Train", exact=True).click()
     view = panel(page)
     view.get_by_role("radio", name="my text: prompt → completion").check()
@@ -311,9 +327,8 @@ def test_free_text_trains_and_continues_your_own_prompt(page, tmp_path):
     page.get_by_role("tab", name="Predict", exact=True).click()
     view = panel(page)
     expect(field(page, "Capsule")).to_have_value(re.compile(r"^trained: free text · 3 steps"))
-    own = view.get_by_role("textbox", name=re.compile(r"^your own prompt \(optional\) generate after"))
-    if not own.is_visible():
-        view.get_by_text("What the backbone writes after the prompt", exact=False).click()
+    expect(own).to_be_visible()
+    expect(page.get_by_text("This capsule was trained on free text, not on a task's labels")).to_be_visible()
     fill_until_kept(own, "say cat:")
     view.get_by_role("button", name="Generate", exact=True).click()
     expect(view.get_by_text(re.compile(r"^With capsule \(computed once"))).to_be_visible(timeout=SLOW)
