@@ -387,8 +387,7 @@ def new_run_dir(session: dict) -> Path:
 
 def _initial_state(session: dict) -> dict:
     return dict(loss=None, dev=None, progress="", session=session, capsule=None, zip=None, task=(None, "", False),
-                error="",
-                runs=viz.runs_table(session.get("runs", [])))
+                error="", runs=viz.runs_table(session.get("runs", [])))
 
 
 def _stream_training(state: dict, work, finish, session: dict, session_id: str):
