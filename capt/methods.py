@@ -26,7 +26,7 @@ from .config import CapsuleConfig
 from .errors import CaptError
 from .seeding import seeded
 from .io import save_capsule
-from .scoring import Scores, score
+from .scoring import Scores, check_batch, head_states, score
 from .tasks import Rendered, Task
 
 METHODS = ("capt", "deep-prompt-1", "linear-head", "prompt-tuning", "p-tuning-v2", "zero-shot", "majority")
@@ -81,16 +81,30 @@ class CaptMethod(Method):
 
 
 class LinearHeadMethod(Method):
+    """A classifier on the frozen backbone's features. The backbone never changes and the features depend on
+    the prompt alone, so each prompt's features are computed once (the first batch that holds it, no graph)
+    and kept: after the first epoch a training step or a dev evaluation is one d x C matmul, not a forward
+    (`cache=False` runs the backbone on every call, as `score(..., head=)` does)."""
+
     name = "linear-head"
 
-    def __init__(self, backbone: Backbone, task: Task, seed: int = 0):
+    def __init__(self, backbone: Backbone, task: Task, seed: int = 0, cache: bool = True):
         super().__init__(backbone, task)
         with seeded(seed):
             self.head = nn.Linear(backbone.hidden_size, len(task.labels))
         self.head.to(device=backbone.device, dtype=backbone.dtype)
+        self.cache = {} if cache else None   # prompt -> ((d,) features, prompt tokens cut)
 
     def scores(self, rendered):
-        return score(self.bb, None, rendered, head=self.head)
+        if self.cache is None or check_batch(rendered) != self.head.out_features:  # (score's message)
+            return score(self.bb, None, rendered, head=self.head)
+        new = list({r.prompt: r for r in rendered if r.prompt not in self.cache}.values())
+        if new:
+            with torch.no_grad():
+                h, dropped = head_states(self.bb, None, new)
+            self.cache.update((r.prompt, (h[i], dropped[i])) for i, r in enumerate(new))
+        feats, dropped = zip(*(self.cache[r.prompt] for r in rendered))
+        return Scores(self.head(torch.stack(feats)), list(dropped))
 
 
 class ZeroShotMethod(Method):

@@ -37,9 +37,12 @@ def score(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered],
     if head is not None and head.out_features != n_choices:
         raise CaptError(f"this head scores {head.out_features} labels but the task has "
                         f"{n_choices}; use the task the capsule was trained on")
+    if head is not None:
+        h, dropped = head_states(backbone, capsule, rendered)
+        return Scores(head(h), dropped)
     if backbone.encoder_decoder:
-        return _score_t5(backbone, capsule, rendered, head)
-    return _score_decoder(backbone, capsule, rendered, head, general)
+        return _score_t5(backbone, capsule, rendered)
+    return _score_decoder(backbone, capsule, rendered, general)
 
 
 def check_batch(rendered: list[Rendered]) -> int:
@@ -169,19 +172,34 @@ def t5_totals(logp: torch.Tensor, tgt: torch.Tensor, tmask: torch.Tensor, n_exam
 
 # --- decoder-only ------------------------------------------------------------------------------
 
-def _score_decoder(backbone, capsule, rendered, head, general) -> Scores:
+def head_states(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered]) -> tuple[torch.Tensor, list[int]]:
+    """What a linear head reads: (B, d) hidden states (the last real prompt token; T5: the decoder's first
+    step) and the prompt tokens cut per example. Without a capsule they depend on the prompt alone."""
+    if backbone.encoder_decoder:
+        prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
+        ids, mask = _device(backbone, *pad(prompts, backbone.tokenizer.pad_token_id, "right"))
+        dec_in = torch.full((len(rendered), 1), backbone.model.config.decoder_start_token_id, dtype=torch.long,
+                            device=ids.device)
+        out, _ = run(backbone, capsule, ids, mask, decoder_input_ids=dec_in)
+        return out.decoder_last_hidden_state[:, -1], dropped
+    return _last_states(backbone, capsule, rendered)
+
+
+def _last_states(backbone, capsule, rendered) -> tuple[torch.Tensor, list[int]]:
+    """Decoder-only: one forward over the prompts, the last real token's hidden state (B, d)."""
+    prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
+    ids, mask = _device(backbone, *pad(prompts, backbone.tokenizer.pad_token_id, backbone.tokenizer.padding_side))
+    out, inp = run(backbone, capsule, ids, mask)
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    return out.last_hidden_state[rows, inp.real_index[rows, _last_real(mask)]], dropped
+
+
+def _score_decoder(backbone, capsule, rendered, general) -> Scores:
     tok = backbone.tokenizer
     side = tok.padding_side
     choice_ids, one_token = label_tokens(tok, rendered)
-    if head is not None or (one_token and not general):
-        prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
-        ids, mask = _device(backbone, *pad(prompts, tok.pad_token_id, side))
-        out, inp = run(backbone, capsule, ids, mask)
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        last = inp.real_index[rows, _last_real(mask)]
-        h = out.last_hidden_state[rows, last]                            # (B, d)
-        if head is not None:
-            return Scores(head(h), dropped)
+    if one_token and not general:
+        h, dropped = _last_states(backbone, capsule, rendered)
         logp = torch.log_softmax(lm_logits(backbone, h).float(), -1)    # (B, V)
         return Scores(logp[:, [c[0] for c in choice_ids[0]]], dropped)
 
@@ -198,15 +216,10 @@ def _score_decoder(backbone, capsule, rendered, head, general) -> Scores:
 
 # --- encoder-decoder ---------------------------------------------------------------------------
 
-def _score_t5(backbone, capsule, rendered, head) -> Scores:
+def _score_t5(backbone, capsule, rendered) -> Scores:
     tok, model = backbone.tokenizer, backbone.model
     prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
     ids, mask = _device(backbone, *pad(prompts, tok.pad_token_id, "right"))
-    start = model.config.decoder_start_token_id
-    if head is not None:
-        dec_in = torch.full((len(rendered), 1), start, dtype=torch.long, device=ids.device)
-        out, _ = run(backbone, capsule, ids, mask, decoder_input_ids=dec_in)
-        return Scores(head(out.decoder_last_hidden_state[:, -1]), dropped)
 
     enc, inp = run(backbone, capsule, ids, mask)
     C = len(rendered[0].choices)

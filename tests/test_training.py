@@ -373,6 +373,70 @@ def test_several_seeds_are_averaged(toy_csv, tmp_path):
     assert (tmp_path / "run" / "seed-0" / "summary.json").exists()
 
 
+def _count_forwards(monkeypatch, bb):
+    """Rows of every backbone forward from now on (the list grows as the backbone runs)."""
+    rows = []
+    stack = bb.model.encoder if bb.encoder_decoder else bb.model.model   # what capt.capsule.run calls
+    forward = stack.forward
+    monkeypatch.setattr(stack, "forward", lambda *a, **k: rows.append(len(k["inputs_embeds"])) or forward(*a, **k))
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_linear_head_runs_the_backbone_once_per_prompt_and_scores_as_without_its_cache(arch, monkeypatch):
+    """The linear head's feature cache: the same scores and gradients as `score(..., head=)` on every call,
+    and the backbone runs only on prompts it has not seen, each once (a repeat within a batch too)."""
+    from capt.methods import LinearHeadMethod
+
+    bb = tiny(arch)
+    task = capt.get_task("cb")
+    r = [task.render(e, bb.style) for e in capt.load_examples(task, "val", limit=10)]
+    cached, plain = LinearHeadMethod(bb, task, seed=3), LinearHeadMethod(bb, task, seed=3, cache=False)
+    rows = _count_forwards(monkeypatch, bb)
+    for batch, new in ((r[:4], [4]), (r[2:6] + r[2:3], [2]), (r[:6], []), (r[6:10] + r[7:8], [4]), (r, [])):
+        before = len(rows)
+        got = cached.scores(batch)
+        assert rows[before:] == new
+        want = plain.scores(batch)
+        assert rows[before + len(new):] == [len(batch)]   # without the cache: the whole batch, every call
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+        assert got.dropped == want.dropped
+        for m, out in ((cached, got), (plain, want)):
+            m.head.zero_grad()
+            out.logits.sum().backward()
+        torch.testing.assert_close(cached.head.weight.grad, plain.head.weight.grad, rtol=1e-5, atol=1e-6)
+        assert cached.head.weight.grad.abs().sum() > 0
+    assert len(cached.cache) == 10
+
+
+def test_linear_head_training_with_its_cache_equals_training_without(toy_csv, tmp_path, monkeypatch):
+    """A linear-head run of several epochs with dev evaluations: the cache leaves the losses, dev scores, test
+    metrics and trained head as they are, and the backbone runs once per distinct prompt."""
+    import capt.methods
+
+    bb = tiny("tiny-llama")
+    cfg = dict(method="linear-head", max_steps=30, eval_every=5, lr=0.05)
+    rows = _count_forwards(monkeypatch, bb)
+    a = train(toy(toy_csv, tmp_path / "a", **cfg), bb, progress=False)
+    seen = sum(rows)
+
+    class Plain(capt.methods.LinearHeadMethod):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw, cache=False)
+
+    monkeypatch.setattr(capt.methods, "LinearHeadMethod", Plain)
+    b = train(toy(toy_csv, tmp_path / "b", **cfg), bb, progress=False)
+    assert a["steps"] == b["steps"] == 30 and a["test"] == b["test"]
+    logs = [[json.loads(x) for x in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
+    got, want = ([rec["loss"] for rec in log if rec["kind"] == "step"] for log in logs)
+    assert len(got) == 30 and got == pytest.approx(want, rel=1e-5) and got[-1] < got[0] / 2
+    got, want = ([rec["dev"] for rec in log if rec["kind"] == "eval"] for log in logs)
+    assert len(got) == 6 and got == want
+    assert seen == 40   # the file's 40 distinct prompts (train, dev and test), each once
+    assert sum(rows) - seen > 30 * 4   # without the cache: every step's batch of 4, and more for dev and test
+    assert a["n_trainable"] == b["n_trainable"]
+
+
 def test_compare_gives_one_row_per_method(toy_csv, tmp_path):
     rows = compare(toy(toy_csv, tmp_path, max_steps=2), ["capt", "zero-shot", "majority", "linear-head"],
                    progress=False)
