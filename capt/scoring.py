@@ -170,7 +170,7 @@ def t5_totals(logp: torch.Tensor, tgt: torch.Tensor, tmask: torch.Tensor, n_exam
     return (logp.gather(2, tgt[..., None])[..., 0] * tmask).sum(1).view(n_examples, -1)
 
 
-# --- decoder-only ------------------------------------------------------------------------------
+# --- what a linear head reads -------------------------------------------------------------------
 
 def head_states(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered]) -> tuple[torch.Tensor, list[int]]:
     """What a linear head reads: (B, d) hidden states (the last real prompt token; T5: the decoder's first
@@ -193,6 +193,8 @@ def _last_states(backbone, capsule, rendered) -> tuple[torch.Tensor, list[int]]:
     rows = torch.arange(ids.shape[0], device=ids.device)
     return out.last_hidden_state[rows, inp.real_index[rows, _last_real(mask)]], dropped
 
+
+# --- decoder-only ------------------------------------------------------------------------------
 
 def _score_decoder(backbone, capsule, rendered, general) -> Scores:
     tok = backbone.tokenizer
@@ -220,7 +222,6 @@ def _score_t5(backbone, capsule, rendered) -> Scores:
     tok, model = backbone.tokenizer, backbone.model
     prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
     ids, mask = _device(backbone, *pad(prompts, tok.pad_token_id, "right"))
-
     enc, inp = run(backbone, capsule, ids, mask)
     C = len(rendered[0].choices)
     tgt, tmask, dec_in = t5_targets(backbone, rendered)
