@@ -205,6 +205,29 @@ def test_a_card_says_which_steps_ran_on_which_machine():
         "record; steps 600-1200 (3000 s) on 2 CPU cores (AMD EPYC")
 
 
+def test_a_card_says_which_steps_ran_at_which_commit():
+    """A run resumed at other commits: the card's Code line names each commit with its steps (parts at one
+    commit read as one; a checkpoint from before runs recorded their code says so), and its promise is to
+    rerun in the same parts; a run at one commit reads as before."""
+    import train.card as card_module
+
+    def code(commit, dirty=False):
+        return {"capt": "0.1.0", "transformers": "5.24.0", "threads": 2, "commit": commit, "dirty": dirty}
+    summary = {"steps": 1000, "code": code("c" * 40), "trained_on": [
+        {"from_step": 0, "code": code("a" * 40)}, {"from_step": 250, "code": code("b" * 40, dirty=True)},
+        {"from_step": 400, "code": code("b" * 40, dirty=True)}, {"from_step": 500, "code": code("c" * 40)}]}
+    line = card_module._code(summary)
+    assert line.startswith(f"\n- Code: capt 0.1.0 (steps 0-250 at commit {'a' * 10}, steps 250-500 at commit "
+                           f"{'b' * 10} with uncommitted edits to capt/ or train/, steps 500-1000 at commit {'c' * 10}: "
+                           "resumed from checkpoints")
+    assert line.endswith(card_module.REPRODUCE_PARTS) and "in the same parts at the same commits" in line
+    unknown = {**summary, "trained_on": [{"from_step": 0, "code": None}] + summary["trained_on"][3:]}
+    assert "(steps 0-500 at a commit its checkpoint did not record, steps 500-1000 at commit" in card_module._code(unknown)
+    one = {**summary, "trained_on": [{"from_step": 0, "code": code("c" * 40)}, {"from_step": 500, "code": code("c" * 40)}]}
+    assert card_module._code(one) == card_module._code({"code": summary["code"]}) == (
+        f"\n- Code: capt 0.1.0 (commit {'c' * 10}), transformers 5.24.0, torch threads: 2. " + card_module.REPRODUCE)
+
+
 def test_resume_of_a_killed_run_logs_each_step_once(toy_csv, tmp_path):
     """A run killed between checkpoints logged steps its checkpoint does not keep; the resumed run runs them
     again, and the log reads as one run: every step once, in order, with a `resume` record where it resumed."""

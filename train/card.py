@@ -488,14 +488,30 @@ def _seeds(summary: dict, primary: str) -> str:
 
 
 def _code(summary: dict) -> str:
-    """The code that trained it (runs made before summaries recorded it have no line)."""
+    """The code that trained it (runs made before summaries recorded it have no line); for a run resumed at
+    other commits ("trained_on"), which steps ran at which."""
     code = summary.get("code")
     if not code:
         return ""
-    where = (f"commit {code['commit'][:10]}" + (" with uncommitted edits to capt/ or train/" if code["dirty"] else "")
-             if code.get("commit") else "outside a git checkout")
-    return (f"\n- Code: capt {code['capt']} ({where}), transformers {code['transformers']}, torch threads: "
-            f"{code['threads']}. " + REPRODUCE)
+    parts = []
+    for seg in summary.get("trained_on") or []:
+        where = _commit(seg["code"]) if seg["code"] else "a commit its checkpoint did not record"
+        if not parts or parts[-1][1] != where:
+            parts.append((seg["from_step"], where))
+    if len(parts) < 2:
+        return (f"\n- Code: capt {code['capt']} ({_commit(code)}), transformers {code['transformers']}, torch "
+                f"threads: {code['threads']}. " + REPRODUCE)
+    ends = [step for step, _ in parts[1:]] + [summary["steps"]]
+    where = ", ".join(f"steps {step}-{end} at {at}" for (step, at), end in zip(parts, ends))
+    return (f"\n- Code: capt {code['capt']} ({where}: resumed from checkpoints, which continue the same batches and "
+            f"optimizer state), transformers {code['transformers']}, torch threads: {code['threads']}. "
+            + REPRODUCE_PARTS)
+
+
+def _commit(code: dict) -> str:
+    if not code.get("commit"):
+        return "outside a git checkout"
+    return f"commit {code['commit'][:10]}" + (" with uncommitted edits to capt/ or train/" if code["dirty"] else "")
 
 
 # What a card promises about rerunning its command (README, Train: a COPA capsule rerun at the same commit on
@@ -503,6 +519,9 @@ def _code(summary: dict) -> str:
 REPRODUCE = ("Rerunning the command with this code and thread count on the same kind of CPU gives this capsule bit "
              "for bit; other code or another CPU (other vector instructions) may round differently and, over many "
              "steps, train a different capsule.")
+REPRODUCE_PARTS = ("Rerunning the command in the same parts at the same commits, with this thread count on the same kind "
+                   "of CPU, gives this capsule bit for bit; other code or another CPU (other vector instructions) may "
+                   "round differently and, over many steps, train a different capsule.")
 
 
 def _machine(summary: dict) -> str:
