@@ -493,16 +493,11 @@ def _code(summary: dict) -> str:
     code = summary.get("code")
     if not code:
         return ""
-    parts = []
-    for seg in summary.get("trained_on") or []:
-        where = _commit(seg["code"]) if seg["code"] else "a commit its checkpoint did not record"
-        if not parts or parts[-1][1] != where:
-            parts.append((seg["from_step"], where))
+    parts = _parts(summary, lambda c: _commit(c) if c else "a commit its checkpoint did not record")
     if len(parts) < 2:
         return (f"\n- Code: capt {code['capt']} ({_commit(code)}), transformers {code['transformers']}, torch "
                 f"threads: {code['threads']}. " + REPRODUCE)
-    ends = [step for step, _ in parts[1:]] + [summary["steps"]]
-    where = ", ".join(f"steps {step}-{end} at {at}" for (step, at), end in zip(parts, ends))
+    where = ", ".join(f"steps {step}-{end} at {at}" for step, end, _, _, at in parts)
     return (f"\n- Code: capt {code['capt']} ({where}: resumed from checkpoints, which continue the same batches and "
             f"optimizer state), transformers {code['transformers']}, torch threads: {code['threads']}. "
             + REPRODUCE_PARTS)
@@ -539,16 +534,25 @@ def _machine(summary: dict) -> str:
 def _where_trained(summary: dict) -> str:
     """`_machine`, or for a run resumed on another machine or torch ("trained_on": each part's first step, seconds so far
     and code) which steps and seconds ran where."""
-    parts = []
-    for seg in summary.get("trained_on") or []:
-        where = _machine({"code": seg["code"]}) if seg["code"] else "a machine its checkpoint did not record"
-        if not parts or parts[-1][2] != where:
-            parts.append((seg["from_step"], seg.get("from_seconds", 0.0), where))
+    parts = _parts(summary, lambda c: _machine({"code": c}) if c else "a machine its checkpoint did not record")
     if len(parts) < 2:
         return _machine(summary)
-    ends = [(step, sec) for step, sec, _ in parts[1:]] + [(summary["steps"], summary["train_seconds"])]
     return f"{len(parts)} set-ups in turn (resumed from checkpoints): " + "; ".join(
-        f"steps {step}-{end} ({end_s - sec:.0f} s) on {where}" for (step, sec, where), (end, end_s) in zip(parts, ends))
+        f"steps {step}-{end} ({end_s - sec:.0f} s) on {where}" for step, end, sec, end_s, where in parts)
+
+
+def _parts(summary: dict, describe) -> list[tuple]:
+    """The summary's "trained_on" legs as (first step, end step, seconds at start, seconds at end, describe(code)),
+    consecutive legs that describe alike merged into one."""
+    parts = []
+    for seg in summary.get("trained_on") or []:
+        where = describe(seg["code"])
+        if not parts or parts[-1][2] != where:
+            parts.append((seg["from_step"], seg.get("from_seconds", 0.0), where))
+    if not parts:
+        return []
+    ends = [(step, sec) for step, sec, _ in parts[1:]] + [(summary["steps"], summary.get("train_seconds"))]
+    return [(step, end, sec, end_s, where) for (step, sec, where), (end, end_s) in zip(parts, ends)]
 
 
 def results_table(folder: Path) -> str:
