@@ -580,16 +580,23 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
             seen += len(b)
             now = time.time() - session
             state["elapsed"] = before + now
-            eta = (total - state["step"]) * now / (state["step"] - step_start)
+            per_step = now / (state["step"] - step_start)
+            eta = (total - state["step"]) * per_step
+            early = _early_stop_step(cfg, state, total)
+            early_eta = None if early is None else (early - state["step"]) * per_step
             if cfg.max_minutes:
-                eta = min(eta, max(0.0, cfg.max_minutes * 60 - state["elapsed"]))
+                left = max(0.0, cfg.max_minutes * 60 - state["elapsed"])
+                eta = min(eta, left)
+                early, early_eta = (early, early_eta) if early_eta is not None and early_eta < left else (None, None)
             record = {"kind": "step", "step": state["step"], "total_steps": total, "epoch": state["epoch"],
                       "loss": loss.item(), "lr": lr, "examples_per_s": round(seen / now, 3),
-                      "eta_s": round(eta, 1), "elapsed_s": round(state["elapsed"], 1), "best": _finite(state["best"])}
+                      "eta_s": round(eta, 1), "elapsed_s": round(state["elapsed"], 1), "best": _finite(state["best"]),
+                      "early_stop_step": early, "early_stop_eta_s": None if early_eta is None else round(early_eta, 1)}
             run.log(record)
             emit(record)
             bar.update(1)
             best = {f"best dev {key}": f"{100 * state['best']:.1f}%"} if math.isfinite(state["best"]) else {}
+            best.update({"early stop at": early} if early is not None else {})   # unless dev improves
             bar.set_postfix(loss=f"{loss.item():.3f}", **best)   # no best before the first dev evaluation
             if state["step"] % cfg.eval_every == 0 and evaluate_and_keep():
                 state["stopped_by"] = "early stopping"
@@ -605,6 +612,16 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
     if state["step"] % cfg.eval_every != 0 or state["best"] == -math.inf:
         evaluate_and_keep()  # the last steps count too
     bar.close()
+
+
+def _early_stop_step(cfg: TrainConfig, state: dict, total: int) -> int | None:
+    """The step at which early stopping ends the run if no dev evaluation from the next one on improves (a step
+    record comes before that step's evaluation); None when the run would reach `total` first."""
+    e = cfg.eval_every   # evaluations left without improvement; the first one always improves (on no best yet)
+    left = cfg.patience + 1 if state["best"] == -math.inf else max(1, cfg.patience - state["bad_evals"])
+    stop = (-(-state["step"] // e) + left - 1) * e
+    stop = max(stop, -(-cfg.min_steps // e) * e)   # not before min_steps: the first evaluation at or after it
+    return stop if stop < total else None
 
 
 def _patience_spent(cfg: TrainConfig, state: dict) -> bool:

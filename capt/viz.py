@@ -285,8 +285,11 @@ class TrainingCurves:
             self.losses.append(event["loss"])
             best = "" if event.get("best") is None else f" · best dev {self.metric} " + (
                 f"{event['best']:.4f}" if self.metric == "loss" else f"{100 * event['best']:.1f} %")
+            early = "" if event.get("early_stop_step") is None else (   # capt.training's records; train_lm's lack it
+                f" (early stopping at step {event['early_stop_step']}, in {_clock(event['early_stop_eta_s'])}, "
+                "unless dev improves)")
             self.text = (f"step {event['step']}/{event['total_steps']} · loss {event['loss']:.4f} · "
-                         f"{event['examples_per_s']:.1f} examples/s · ETA {_clock(event['eta_s'])}{best}")
+                         f"{event['examples_per_s']:.1f} examples/s · ETA {_clock(event['eta_s'])}{early}{best}")
         elif kind == "eval":
             self.evals.append(event)
             self.metric = next((m for m in ("loss", "f1a") if m in event["dev"]), "accuracy")

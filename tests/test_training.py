@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import capt
+from capt import viz
 from capt.methods import METHODS
 from capt.training import (TrainConfig, _finished_run, compare, describe_machine, format_table, saved_config, train,
                            train_in_chunks, train_seeds)
@@ -861,6 +862,27 @@ def test_min_steps_holds_off_early_stopping_and_a_resume_may_raise_it(toy_csv, t
     assert [r["step"] for r in log if r["kind"] == "step"] == [1, 2, 3, 4, 5]
     with pytest.raises(capt.CaptError, match=r"min_steps=-1 is out of range; valid: an integer 0\.\."):
         toy(toy_csv, tmp_path, min_steps=-1)
+
+
+@pytest.mark.parametrize("extra, stop", [({}, 6), ({"min_steps": 9}, 10), ({"max_steps": 5}, None)])
+def test_each_step_says_where_early_stopping_would_end_the_run(toy_csv, tmp_path, extra, stop):
+    """A step record names the step at which early stopping ends the run unless dev improves (None: the run
+    reaches its last step first), and the progress line says it. Dev never improves after the first evaluation
+    here, so every record from step 1 on names the step the run did stop at: 2 + patience 2 × every 2 = 6; not
+    before min_steps 9 (the evaluation at 10); none when max_steps 5 ends the run first."""
+    events, curves = [], viz.TrainingCurves()
+    cfg = toy(toy_csv, tmp_path, **{"max_steps": 30, "eval_every": 2, "patience": 2, "lr": 1e-6, **extra})
+    summary = train(cfg, callback=events.append, progress=False)
+    steps = [e for e in events if e["kind"] == "step"]
+    evals = [e["improved"] for e in events if e["kind"] == "eval"]
+    assert evals == [True] + [False] * (len(evals) - 1)
+    assert summary["best_step"] == 2 and summary["steps"] == (stop or 5)
+    assert summary["stopped_by"] == ("early stopping" if stop else "max_steps")
+    assert [e["early_stop_step"] for e in steps] == [stop] * len(steps)
+    assert all((e["early_stop_eta_s"] is None) == (stop is None) for e in steps)
+    assert all(e["early_stop_eta_s"] is None or 0 <= e["early_stop_eta_s"] <= e["eta_s"] for e in steps)
+    curves.add(steps[0])
+    assert (f"(early stopping at step {stop}, in " in curves.text) == (stop is not None), curves.text
 
 
 def test_a_finished_run_saved_before_a_setting_existed_is_kept(toy_csv, tmp_path):
