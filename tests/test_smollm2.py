@@ -280,3 +280,42 @@ def test_the_app_round_trip_on_smollm2(smol, tmp_path, monkeypatch, serve):
         assert err == "" and "**Done** (max_steps): 2 steps" in progress and capsule["value"].endswith("capsule")
     finally:
         client.close()
+
+
+def test_the_readme_python_examples_run_as_written(smol, tmp_path, monkeypatch):
+    """README "Use it": its Python blocks run as a newcomer would paste them, in one namespace and in order (the
+    first loads the backbone: here the loaded one is handed back; the LM-training block needs the reader's own
+    data and is left out), and every expression whose comment is a literal string evaluates to it."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    use_it = (root / "README.md").read_text().split("\n## Use it\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", use_it, flags=re.S)
+    runnable = [b for b in blocks if "TrainingArguments(...)" not in b]
+    assert len(blocks) == 4 and len(runnable) == 3   # a new block: decide here whether it runs
+    monkeypatch.setattr(capt, "load_backbone", lambda name, **kw: smol if name == "smollm2-135m" else None)
+    monkeypatch.chdir(tmp_path)   # save_capsule("my-rte-capsule") writes here; the shipped files are read here
+    (tmp_path / "capsules").symlink_to(root / "capsules")
+    namespace, checked = {}, []
+    for block in runnable:
+        lines = block.splitlines()
+        for stmt in ast.parse(block).body:
+            code = ast.get_source_segment(block, stmt)
+            if isinstance(stmt, ast.Expr):
+                value = eval(code, namespace)
+                comment = lines[stmt.end_lineno - 1].split("#", 1)[-1].strip() if "#" in lines[stmt.end_lineno - 1] \
+                    else ""
+                try:
+                    literal = ast.literal_eval(comment)
+                except (ValueError, SyntaxError):
+                    continue
+                if isinstance(literal, str):
+                    assert value == literal, code
+                    checked.append(code)
+            else:
+                exec(compile(ast.Module([stmt], []), "README.md", "exec"), namespace)
+    assert checked == ["report.tokens[report.anchor]",
+                       'capt.generate(bb, "The capital of France is", max_new_tokens=8).text']
+    assert (tmp_path / "my-rte-capsule" / "capsule.json").exists() and namespace["task"].name == "rte"
