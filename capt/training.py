@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import MISSING, asdict, dataclass, field, fields as dataclass_fields, replace
 from pathlib import Path
 from typing import Callable
@@ -530,7 +530,7 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     params = [p for p in method.parameters() if p.requires_grad]
     # this session's clock (a resumed run adds the elapsed time it brought from its checkpoint)
-    session, before, seen, step_start = time.time(), state["elapsed"], 0, state["step"]
+    session, before, seen, pace = time.time(), state["elapsed"], 0, Pace(cfg.eval_every)
     bar = tqdm(total=total, initial=state["step"], desc=f"{method.name} {task.name}", disable=not progress
                or not accelerator.is_main_process, dynamic_ncols=True)
 
@@ -580,7 +580,7 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
             seen += len(b)
             now = time.time() - session
             state["elapsed"] = before + now
-            per_step = now / (state["step"] - step_start)
+            per_step = pace.tick(now)
             eta = (total - state["step"]) * per_step
             early = _early_stop_step(cfg, state, total)
             early_eta = None if early is None else (early - state["step"]) * per_step
@@ -612,6 +612,20 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
     if state["step"] % cfg.eval_every != 0 or state["best"] == -math.inf:
         evaluate_and_keep()  # the last steps count too
     bar.close()
+
+
+class Pace:
+    """Seconds per step over the last `window` steps, for the ETA. With window = eval_every each estimate holds
+    at most one dev evaluation, like the run ahead, and it follows a run whose steps speed up (the linear head
+    once its first epoch has cached every prompt's features) where a whole-session average would lag."""
+
+    def __init__(self, window: int, start: float = 0.0):
+        self.times = deque([start], maxlen=window + 1)
+
+    def tick(self, now: float) -> float:
+        """Record a step that ended at `now` (the clock `start` is on); the seconds per step of the window."""
+        self.times.append(now)
+        return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
 
 
 def _early_stop_step(cfg: TrainConfig, state: dict, total: int) -> int | None:

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 import capt
 from capt import viz
 from capt.methods import METHODS
-from capt.training import (TrainConfig, _finished_run, compare, describe_machine, format_table, saved_config, train,
-                           train_in_chunks, train_seeds)
+from capt.training import (Pace, TrainConfig, _finished_run, compare, describe_machine, format_table, saved_config,
+                           train, train_in_chunks, train_seeds)
 from conftest import tiny
 from train.__main__ import main as cli
 
@@ -146,6 +146,18 @@ def test_callback_reports_progress(toy_csv, tmp_path):
     assert [e["step"] for e in steps] == [1, 2, 3, 4] and all(e["total_steps"] == 4 for e in steps)
     assert all(e["examples_per_s"] > 0 and e["eta_s"] >= 0 for e in steps) and steps[-1]["eta_s"] == 0
     assert events[-1]["kind"] == "done"
+
+
+def test_the_eta_follows_the_pace_of_the_last_eval_every_steps():
+    """The ETA's seconds per step come from the last eval_every steps, not the whole session: ten 10 s steps
+    (the linear head's first epoch, computing features), then 1 s steps (cached): after three of those, a window
+    of 3 says 1 s where the session average would still say 7.75 s; the first steps read as the average."""
+    pace = Pace(3)
+    assert [pace.tick(10.0 * k) for k in range(1, 4)] == [10.0, 10.0, 10.0]
+    for k in range(4, 11):
+        pace.tick(10.0 * k)
+    assert [pace.tick(100.0 + k) for k in (1, 2, 3)] == [(101 - 80) / 3, (102 - 90) / 3, 1.0]
+    assert Pace(50, start=5.0).tick(7.0) == 2.0
 
 
 def test_stop_ends_within_one_step_and_keeps_the_best(toy_csv, tmp_path):
