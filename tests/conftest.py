@@ -2,8 +2,10 @@
 
 Adding an architecture to ARCHS gives it the whole capsule suite (the PEFT `testing_common` idea).
 """
+import itertools
 import os
 import socket
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network (set before any HF import)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -56,6 +58,16 @@ def tiny(name: str) -> capt.Backbone:
 def hooks_at_load(bb) -> int:
     """How many hooks the backbone had right after loading (transformers' own capture hooks)."""
     return _hooks_at_load[bb.name]
+
+
+
+@pytest.fixture
+def training_clock(monkeypatch):
+    """capt.training's clock on a fixed pace, 7 ms a reading (a step reads it twice), whatever the machine: a
+    test of time-boxed chunks gets the same chunks on a fast CPU (which ran 8 tiny steps inside one 50 ms chunk
+    of the real clock) as on a slow one."""
+    ticks = itertools.count()
+    monkeypatch.setattr(capt.training, "time", SimpleNamespace(time=lambda: 0.007 * next(ticks)))
 
 
 @pytest.fixture(params=ARCHS)

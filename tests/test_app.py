@@ -4,12 +4,10 @@ Offline and on the tiny random backbone only (tiny-llama: 4 layers, d=32), so th
 under a minute; SmolLM2 is never loaded here.
 """
 import csv
-import itertools
 import json
 import os
 import re
 import zipfile
-from types import SimpleNamespace
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no telemetry or version checks
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -440,15 +438,13 @@ def zerogpu_chunks(monkeypatch, calls):
     monkeypatch.setattr(app, "gpu_train_chunk", chunk)
 
 
-def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch):
+def test_zerogpu_trains_in_resumed_chunks(tmp_path, monkeypatch, training_clock):
     """With `spaces` present, training runs as several GPU calls, each in its own worker process, that each
     resume the run: the chunks together take exactly the steps of one uninterrupted run and end with its
     capsule, and the page sees every step's event."""
     calls = []
     zerogpu_chunks(monkeypatch, calls)
-    monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after a few steps:
-    ticks = itertools.count()   # training's clock advances 7 ms a reading (two a step), whatever the machine
-    monkeypatch.setattr(capt.training, "time", SimpleNamespace(time=lambda: 0.007 * next(ticks)))
+    monkeypatch.setattr(app, "GPU_CHUNK_S", 0.05)   # a chunk ends after a few steps of training_clock
     session = new_session(tmp_path)
     states = list(app.train_run(BB, "cb", "quick: 20 steps", session, session_id="zero", max_steps=6, batch_size=2))
     last = states[-1]

@@ -1,12 +1,10 @@
 """The training function and CLI on tiny models: files, learning, stop, resume, compare, bad input."""
 import csv
-import itertools
 import json
 import re
 import shutil
 import threading
 from dataclasses import asdict, replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -361,13 +359,9 @@ def test_compare_resume_extends_every_method_from_its_own_checkpoint(toy_csv, tm
         assert json.loads((tmp_path / "cmp" / m / "summary.json").read_text())["steps"] == 4
 
 
-def test_training_in_time_boxed_chunks_equals_one_run(toy_csv, tmp_path, monkeypatch):
+def test_training_in_time_boxed_chunks_equals_one_run(toy_csv, tmp_path, training_clock):
     """train_in_chunks (ZeroGPU's way): each chunk's budget grows by chunk_seconds and every chunk after the
     first resumes; the chunks together give the capsule of one uninterrupted run, each step logged once."""
-    # training's clock advances 7 ms a reading, whatever the machine (a fast CPU ran all 8 tiny steps within
-    # one 50 ms chunk of the real clock); a step reads it twice
-    ticks = itertools.count()
-    monkeypatch.setattr(capt.training, "time", SimpleNamespace(time=lambda: 0.007 * next(ticks)))
     straight = train(toy(toy_csv, tmp_path / "a", max_steps=8, eval_every=1), progress=False)
     calls, events = [], []
 
