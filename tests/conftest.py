@@ -60,7 +60,6 @@ def hooks_at_load(bb) -> int:
     return _hooks_at_load[bb.name]
 
 
-
 @pytest.fixture
 def training_clock(monkeypatch):
     """capt.training's clock on a fixed pace, 7 ms a reading (a step reads it twice), whatever the machine: a
