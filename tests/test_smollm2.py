@@ -149,8 +149,9 @@ def test_lm_loss_on_the_real_model(smol):
     assert out.loss.item() == pytest.approx(-logp.sum().item() / out.n_scored, rel=1e-4)
 
 
-def test_shipped_capsules_load_and_reproduce_their_cards(smol):
-    """Every shipped capsule loads on its backbone, predicts, and its saved metrics are the card's."""
+def check_shipped_cards(bb, n_params: int) -> int:
+    """Every capsule shipped for `bb` loads on it, predicts, and its saved metrics are the card's; returns how many
+    were checked."""
     import shlex
     from pathlib import Path
 
@@ -165,20 +166,20 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
                               and Path(w).parts[-len(Path(s).parts):] == Path(s).parts)
                    for i, (s, w) in enumerate(zip(shown, words)))
 
-    shipped = sorted((Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m").glob("*/capsule.json"))
+    shipped = sorted((Path(__file__).resolve().parents[1] / "capsules" / bb.name).glob("*/capsule.json"))
     for config in shipped:
         folder = config.parent
-        capsule, task = capt.load_capsule(folder, smol)
+        capsule, task = capt.load_capsule(folder, bb)
         if task is None:   # a free-text capsule (python -m train.lm): the card gives its run's command and losses
             run = capsule.meta["training"]
             card = (folder / "README.md").read_text()
-            assert shown_is_recorded(card, run["command"]) and capsule.n_capsule_params() == 17_280
+            assert shown_is_recorded(card, run["command"]) and capsule.n_capsule_params() == n_params
             assert f"| step {run['best_step']} (kept) | {run['best_dev_loss']:.3f} |" in card
             assert f"| the backbone alone | {run['bare_dev_loss']:.3f} |" in card
             continue
-        assert task.name == folder.name and capsule.n_capsule_params() == 17_280
+        assert task.name == folder.name and capsule.n_capsule_params() == n_params
         example = capt.load_examples(task, "val", limit=1)[0]
-        assert abs(sum(capt.predict(smol, task, example, capsule=capsule).probs.values()) - 1) < 1e-5
+        assert abs(sum(capt.predict(bb, task, example, capsule=capsule).probs.values()) - 1) < 1e-5
         results = json.loads((folder / "results.json").read_text())
         row = next(r for r in results["rows"] if r["method"] == "capt")
         saved = json.loads(config.read_text())["metrics"]
@@ -188,12 +189,26 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
             assert f"which scored {100 * saved['accuracy']:.1f} on test" in card
         else:
             assert all(abs(row[f"test_{k}"] - v) < 1e-12 for k, v in saved.items())
+    return len(shipped)
 
 
-def test_gemma3_270m_embedded_backbone():
+def test_shipped_capsules_load_and_reproduce_their_cards(smol):
+    """Every capsule shipped for SmolLM2-135M loads on it, predicts, and its saved metrics are the card's."""
+    assert check_shipped_cards(smol, 17_280) == 7   # six tasks and the free-text COPA capsule
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield capt.load_backbone("gemma3-270m", device="cpu")
+    torch.set_num_threads(threads)
+
+
+def test_gemma3_270m_embedded_backbone(gemma):
     """The second embedded backbone: de-quantized from its PyPI chunk wheels once (about 2 minutes on 2
     cores), then cached; 18 layers x d=640 gives an 11,520-number capsule."""
-    bb = capt.load_backbone("gemma3-270m", device="cpu")
+    bb = gemma
     assert bb.describe()["model_type"] == "gemma3_text" and (bb.n_layers, bb.hidden_size) == (18, 640)
     cap = capt.Capsule.for_backbone(bb)
     assert cap.n_capsule_params() == 11_520
@@ -204,21 +219,22 @@ def test_gemma3_270m_embedded_backbone():
     assert capt.attention(bb, "The cat sat.").anchor_label == "BOS"  # Gemma's tokenizer adds <bos>
 
 
-@pytest.mark.parametrize("task_name", ["cb", "copa"])
-def test_shipped_capsule_reproduces_its_test_score(smol, task_name):
+@pytest.mark.parametrize("backbone,task_name", [("smollm2-135m", "cb"), ("smollm2-135m", "copa")])
+def test_shipped_capsule_reproduces_its_test_score(request, backbone, task_name):
     """The card's CaPT test metrics, recomputed from the shipped files alone on the same test split (the two
     smallest tasks, so CI stays short): the numbers in capsules/ are reproducible, not just recorded."""
     from pathlib import Path
 
     from capt.training import evaluate_capsule
 
-    folder = Path(__file__).resolve().parents[1] / "capsules" / "smollm2-135m" / task_name
+    bb = request.getfixturevalue({"smollm2-135m": "smol", "gemma3-270m": "gemma"}[backbone])
+    folder = Path(__file__).resolve().parents[1] / "capsules" / backbone / task_name
     saved = json.loads((folder / "capsule.json").read_text())
-    got = evaluate_capsule(folder, "test", smol)   # what `python -m train evaluate --capsule FOLDER` prints
+    got = evaluate_capsule(folder, "test", bb)   # what `python -m train evaluate --capsule FOLDER` prints
     assert got["metrics"] == pytest.approx(saved["metrics"], abs=1e-12), (got["metrics"], saved["metrics"])
     assert got["same_as_recorded"] and got["n"] == saved["training"]["n_test"]
     assert sum(row[g] for g, row in got["counts"].items()) == round(got["metrics"]["accuracy"] * got["n"])
-    if task_name == "cb":   # the CB card's gold x predicted counts (it never answers 'neutral')
+    if (backbone, task_name) == ("smollm2-135m", "cb"):   # the CB card's gold x predicted counts (no 'neutral')
         assert got["counts"] == {"entailment": {"entailment": 17, "contradiction": 6, "neutral": 0},
                                  "contradiction": {"entailment": 9, "contradiction": 19, "neutral": 0},
                                  "neutral": {"entailment": 2, "contradiction": 3, "neutral": 0}}

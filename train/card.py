@@ -207,7 +207,8 @@ the capsule at every evaluation:
 {notes and chr(10) + "## Notes" + chr(10) * 2 + notes + chr(10)}"""
 
 
-BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}   # the embedded backbones' hub models
+BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",   # the embedded backbones' hub models
+               "gemma3-270m": "google/gemma-3-270m"}
 
 
 CARD_TAIL = "\n\nMetrics are percentages on the test split named above."   # the notes end here (--baseline-seeds)
