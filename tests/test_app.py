@@ -289,6 +289,19 @@ def test_stop_ends_training_and_keeps_the_capsule(tmp_path):
     assert os.path.isdir(state["capsule"]) and "stopper" not in app._STOPS
 
 
+def test_each_backbone_lists_its_own_shipped_capsules():
+    """The capsule list follows the backbone: SmolLM2-135M's seven shipped capsules, Gemma-3-270M's own, and
+    neither's on the other (a capsule only loads on the backbone it was trained on)."""
+    def shipped(backbone):
+        return sorted(label for label, _ in app.capsule_choices(backbone, None) if label.startswith("shipped: "))
+
+    smol = ["shipped: " + n for n in ("boolq", "cb", "copa", "copa-text", "multirc", "rte", "wic")]
+    assert shipped("smollm2-135m") == smol
+    assert shipped("gemma3-270m") == ["shipped: copa"]
+    assert all(os.sep + "gemma3-270m" + os.sep in v for label, v in app.capsule_choices("gemma3-270m", None)
+               if label.startswith("shipped: "))
+
+
 def test_choosing_a_shipped_capsule_sets_the_task_box():
     """A capsule chosen from the list sets the Task box to its task; the free-text one leaves it and opens the
     generation view; nothing chosen, or a path that is not on the list, changes nothing."""

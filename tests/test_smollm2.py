@@ -219,7 +219,18 @@ def test_gemma3_270m_embedded_backbone(gemma):
     assert capt.attention(bb, "The cat sat.").anchor_label == "BOS"  # Gemma's tokenizer adds <bos>
 
 
-@pytest.mark.parametrize("backbone,task_name", [("smollm2-135m", "cb"), ("smollm2-135m", "copa")])
+def test_shipped_gemma3_capsules_load_and_reproduce_their_cards(gemma):
+    """Gemma-3-270M's shipped capsule (COPA at the paper's protocol) loads on it, predicts, and its saved metrics
+    are the card's; the card names the hub model the embedded GGUF was made from."""
+    from pathlib import Path
+
+    assert check_shipped_cards(gemma, 11_520) == 1
+    card = Path(__file__).resolve().parents[1] / "capsules" / "gemma3-270m" / "copa" / "README.md"
+    assert "\nbase_model: google/gemma-3-270m\n" in card.read_text()
+
+
+@pytest.mark.parametrize("backbone,task_name", [("smollm2-135m", "cb"), ("smollm2-135m", "copa"),
+                                                ("gemma3-270m", "copa")])
 def test_shipped_capsule_reproduces_its_test_score(request, backbone, task_name):
     """The card's CaPT test metrics, recomputed from the shipped files alone on the same test split (the two
     smallest tasks, so CI stays short): the numbers in capsules/ are reproducible, not just recorded."""
