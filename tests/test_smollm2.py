@@ -10,12 +10,17 @@ from capt.scoring import score
 from conftest import RTE_EXAMPLES
 
 
-@pytest.fixture(scope="module")
-def smol():
+def on_every_core(name: str):
+    """A real embedded backbone for the module's tests, run on every core (restored afterwards)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a real model uses every core
-    yield capt.load_backbone("smollm2-135m", device="cpu")
+    yield capt.load_backbone(name, device="cpu")
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    yield from on_every_core("smollm2-135m")
 
 
 def test_facts_and_parameter_count(smol):
@@ -199,10 +204,7 @@ def test_shipped_capsules_load_and_reproduce_their_cards(smol):
 
 @pytest.fixture(scope="module")
 def gemma():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield capt.load_backbone("gemma3-270m", device="cpu")
-    torch.set_num_threads(threads)
+    yield from on_every_core("gemma3-270m")
 
 
 def test_gemma3_270m_embedded_backbone(gemma):
