@@ -289,7 +289,8 @@ def attention_view(backbone: str, capsule: str = NONE, task: str = "rte", layer:
                                 "(Train tab, method prompt-tuning) first")
             soft = capt.load_soft_prompt(soft_prompt, bb)
             soft_name = f"soft prompt ({soft.embeddings.shape[0]} tokens)"
-        prompt = t.render(make_example(t, fields, picked), bb.style).prompt
+        # the text the capsule's scoring reads (a linear head's lists COPA's alternatives)
+        prompt = t.render(make_example(t, fields, picked), bb.style).text_for(head=cap.head is not None)
         with_r, without_r = capt.attention(bb, prompt, capsule=cap), capt.attention(bb, prompt)
         soft_r = capt.attention(bb, prompt, soft_prompt=soft) if soft is not None else None
         figs, text = viz.attention_panel(with_r, without_r, int(layer), int(head), name, soft_r, soft_name)

@@ -82,7 +82,7 @@ class CaptMethod(Method):
 
 class LinearHeadMethod(Method):
     """A classifier on the frozen backbone's features. The backbone never changes and the features depend on
-    the prompt alone, so each prompt's features are computed once (the first batch that holds it, no graph)
+    the text it reads alone, so each text's features are computed once (the first batch that holds it, no graph)
     and kept: after the first epoch a training step or a dev evaluation is one d x C matmul, not a forward
     (`cache=False` runs the backbone on every call, as `score(..., head=)` does)."""
 
@@ -98,12 +98,13 @@ class LinearHeadMethod(Method):
     def scores(self, rendered):
         if self.cache is None or check_batch(rendered) != self.head.out_features:  # (score's message)
             return score(self.bb, None, rendered, head=self.head)
-        new = list({r.prompt: r for r in rendered if r.prompt not in self.cache}.values())
+        keys = [r.text_for(head=True) for r in rendered]   # what head_states reads
+        new = {k: r for k, r in zip(keys, rendered) if k not in self.cache}
         if new:
             with torch.no_grad():
-                h, dropped = head_states(self.bb, None, new)
-            self.cache.update((r.prompt, (h[i], dropped[i])) for i, r in enumerate(new))
-        feats, dropped = zip(*(self.cache[r.prompt] for r in rendered))
+                h, dropped = head_states(self.bb, None, list(new.values()))
+            self.cache.update((k, (h[i], dropped[i])) for i, k in enumerate(new))
+        feats, dropped = zip(*(self.cache[k] for k in keys))
         return Scores(self.head(torch.stack(feats)), list(dropped))
 
 

@@ -6,7 +6,8 @@ and the LM head runs only on the last real token; otherwise (COPA's sentences) e
 pair is a row and the head runs only on the continuation's positions. The capsule's instance mean is
 always over the prompt alone, so no label ever sees another label's tokens.
 T5: the encoder (with the capsule) runs once; the decoder scores each label's target tokens.
-Linear head: a d x C classifier on the last real token (T5: the decoder's first step).
+Linear head: a d x C classifier on the last real token (T5: the decoder's first step) of the prompt, or
+where the choices are the example's own text (COPA) of the prompt followed by them (Rendered.head_prompt).
 """
 from __future__ import annotations
 
@@ -173,21 +174,23 @@ def t5_totals(logp: torch.Tensor, tgt: torch.Tensor, tmask: torch.Tensor, n_exam
 # --- what a linear head reads -------------------------------------------------------------------
 
 def head_states(backbone: Backbone, capsule: Capsule | None, rendered: list[Rendered]) -> tuple[torch.Tensor, list[int]]:
-    """What a linear head reads: (B, d) hidden states (the last real prompt token; T5: the decoder's first
-    step) and the prompt tokens cut per example. Without a capsule they depend on the prompt alone."""
+    """What a linear head reads: (B, d) hidden states (the last real token; T5: the decoder's first step) of
+    each example's text for a head (Rendered.text_for(head=True): COPA's lists its choices), and the tokens cut
+    per example. Without a capsule they depend on that text alone."""
+    texts = [r.text_for(head=True) for r in rendered]
     if backbone.encoder_decoder:
-        prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
+        prompts, dropped = encode_prompts(backbone, capsule, texts)
         ids, mask = _device(backbone, *pad(prompts, backbone.tokenizer.pad_token_id, "right"))
         dec_in = torch.full((len(rendered), 1), backbone.model.config.decoder_start_token_id, dtype=torch.long,
                             device=ids.device)
         out, _ = run(backbone, capsule, ids, mask, decoder_input_ids=dec_in)
         return out.decoder_last_hidden_state[:, -1], dropped
-    return _last_states(backbone, capsule, rendered)
+    return _last_states(backbone, capsule, texts)
 
 
-def _last_states(backbone, capsule, rendered) -> tuple[torch.Tensor, list[int]]:
-    """Decoder-only: one forward over the prompts, the last real token's hidden state (B, d)."""
-    prompts, dropped = encode_prompts(backbone, capsule, [r.prompt for r in rendered])
+def _last_states(backbone, capsule, texts: list[str]) -> tuple[torch.Tensor, list[int]]:
+    """Decoder-only: one forward over the texts, the last real token's hidden state (B, d)."""
+    prompts, dropped = encode_prompts(backbone, capsule, texts)
     ids, mask = _device(backbone, *pad(prompts, backbone.tokenizer.pad_token_id, backbone.tokenizer.padding_side))
     out, inp = run(backbone, capsule, ids, mask)
     rows = torch.arange(ids.shape[0], device=ids.device)
@@ -201,7 +204,7 @@ def _score_decoder(backbone, capsule, rendered, general) -> Scores:
     side = tok.padding_side
     choice_ids, one_token = label_tokens(tok, rendered)
     if one_token and not general:
-        h, dropped = _last_states(backbone, capsule, rendered)
+        h, dropped = _last_states(backbone, capsule, [r.prompt for r in rendered])
         logp = torch.log_softmax(lm_logits(backbone, h).float(), -1)    # (B, V)
         return Scores(logp[:, [c[0] for c in choice_ids[0]]], dropped)
 

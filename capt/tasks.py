@@ -44,6 +44,13 @@ class Rendered:
     choices: tuple[str, ...]  # one continuation string per label, in label order, scored by the model
     label: int | None  # gold label index into task.labels, None if unlabeled
     group: str | None = None  # MultiRC: a question id, for exact match per question; else None
+    # What a classifier head (d x C on the last token) reads instead of `prompt`, when the choices are the
+    # example's own text (COPA): the prompt followed by the choices, so the head can see them. Else None.
+    head_prompt: str | None = None
+
+    def text_for(self, head: bool) -> str:
+        """The text the backbone reads: `head_prompt` for a classifier head when there is one, else `prompt`."""
+        return self.head_prompt if head and self.head_prompt is not None else self.prompt
 
 
 def _key(value) -> str:
@@ -92,7 +99,11 @@ class Task:
                 prompt, choices = self.lm_render(self, {**extras, **values})
             else:
                 prompt, choices = self.lm_template.format(**values), self.lm_words
-            return Rendered(prompt, tuple(choices), label, group)
+            head_prompt = None
+            if tuple(choices) != tuple(self.lm_words):  # the example's own choices: list them for a head
+                head_prompt = prompt + "".join(f"\nOption {i}: {c.strip()}" for i, c in enumerate(choices, 1))
+                head_prompt += "\nAnswer: Option"
+            return Rendered(prompt, tuple(choices), label, group, head_prompt)
         raise CaptError(f"unknown prompt style {style!r}; valid: t5, lm")
 
     def _text(self, example: dict, name: str) -> str:

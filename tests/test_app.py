@@ -182,6 +182,26 @@ def test_free_text_trains_in_the_browser_and_generates(tmp_path):
         assert out[-1]["capsule"] is None and re.search(message, out[-1]["error"]), (kw, out[-1]["error"])
 
 
+def test_attention_reads_the_text_the_capsule_scores(tmp_path):
+    """With a linear-head capsule on COPA the attention maps show the text its head reads, which lists both
+    alternatives; with a verbalizer capsule, the LM prompt (the premise and its connector)."""
+    from conftest import random_capsule
+
+    bb, task, session = app.get_backbone(BB), capt.get_task("copa"), new_session(tmp_path)
+    copa = dict(premise="The man turned on the faucet.", choice1="The toilet filled with water.",
+                choice2="Water flowed from the spout.", question="effect")
+    rows = {}
+    for head in ("linear", "verbalizer"):
+        path = str(capt.save_capsule(random_capsule(bb, head=head), tmp_path / head, bb, task))
+        session.setdefault("capsules", []).append({"label": head, "path": path, "backbone": BB})
+        *figs, text, err = app.attention_view(BB, path, "copa", session=session, **copa)
+        assert err == ""
+        ticks = figs[1].layout.yaxis.ticktext    # the bare backbone's map: one row "i:token" per token
+        rows[head] = "".join(t.split(":", 1)[1] for t in ticks)
+    assert "Option" in rows["linear"] and "spout" in rows["linear"]
+    assert "spout" not in rows["verbalizer"] and "therefore" in rows["verbalizer"]
+
+
 def test_attention_with_and_without_the_capsule(trained):
     session, states = trained
     *figs, text, err = app.attention_view(BB, states[-1]["capsule"], "cb", layer=1, head=2, session=session, **CB)

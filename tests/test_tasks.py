@@ -31,6 +31,7 @@ def test_first_val_example_renders_in_both_styles(name):
         assert rendered.prompt.strip()
         assert len(rendered.choices) == len(task.labels)
         assert rendered.label == example["label"] and rendered.label in range(len(task.labels))
+        assert (rendered.head_prompt is not None) == (name == "copa" and style == "lm")  # per-example choices
     t5 = task.render(example, "t5")
     assert t5.prompt.startswith(name + " ") and t5.choices == task.t5_words
     assert (t5.group is not None) == (name == "multirc")
@@ -43,7 +44,7 @@ def test_rte_exact_strings():
     example = load_examples("rte", "val", limit=1)[0]
     lm = TASKS["rte"].render(example, "lm")
     assert lm.prompt == f"{RTE_PREMISE}\nQuestion: {RTE_HYPOTHESIS} True or False?\nAnswer:"
-    assert lm.choices == (" True", " False") and lm.label == 1
+    assert lm.choices == (" True", " False") and lm.label == 1 and lm.text_for(head=True) == lm.prompt
     t5 = TASKS["rte"].render(example, "t5")
     assert t5.prompt == f"rte hypothesis: {RTE_HYPOTHESIS} premise: {RTE_PREMISE}"  # keys in alphabetical order
     assert t5.choices == ("entailment", "not_entailment") and t5.label == 1
@@ -57,10 +58,14 @@ def test_copa_exact_strings():
     lm = TASKS["copa"].render(example, "lm")
     assert lm.prompt == "The man turned on the faucet therefore"
     assert lm.choices == (" the toilet filled with water.", " water flowed from the spout.") and lm.label == 1
+    # a d x C head reads the last token only, so its text lists the alternatives (the prompt above does not)
+    assert lm.head_prompt == ("The man turned on the faucet therefore\nOption 1: the toilet filled with water."
+                              "\nOption 2: water flowed from the spout.\nAnswer: Option")
+    assert lm.text_for(head=True) == lm.head_prompt and lm.text_for(head=False) == lm.prompt
     t5 = TASKS["copa"].render(example, "t5")
     assert t5.prompt == ("copa choice1: The toilet filled with water. choice2: Water flowed from the spout. "
                          "premise: The man turned on the faucet. question: effect")
-    assert t5.choices == ("choice1", "choice2")
+    assert t5.choices == ("choice1", "choice2") and t5.text_for(head=True) == t5.prompt  # it names both already
     cause = TASKS["copa"].render({**example, "question": "cause"}, "lm")
     assert cause.prompt == "The man turned on the faucet because"
 

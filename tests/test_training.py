@@ -445,6 +445,31 @@ def test_linear_head_runs_the_backbone_once_per_prompt_and_scores_as_without_its
     assert len(cached.cache) == 10
 
 
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-t5"])
+def test_a_linear_head_sees_copas_alternatives(arch):
+    """COPA's alternatives are the example's own text: a d x C head on the last token must read them, or it
+    can only guess from the premise. Changing one alternative changes what the linear-head baseline and a
+    CaPT capsule with head='linear' score (and the baseline's cache keeps the two apart)."""
+    from capt.methods import LinearHeadMethod
+
+    from conftest import random_capsule
+
+    bb, task = tiny(arch), capt.get_task("copa")
+    example = dict(premise="The man turned on the faucet.", choice1="The toilet filled with water.",
+                   choice2="Water flowed from the spout.", question="effect", label=1)
+    swapped = {**example, "choice2": "The faucet rusted away."}
+    pair = [task.render(e, bb.style) for e in (example, swapped)]
+    assert pair[0].prompt == pair[1].prompt or bb.encoder_decoder     # the LM prompt is the premise alone
+    feats = capt.scoring.head_states(bb, None, pair)[0]
+    assert not torch.allclose(feats[0], feats[1])
+    method = LinearHeadMethod(bb, task, seed=0)
+    logits = method.scores(pair).logits
+    assert len(method.cache) == 2 and not torch.allclose(logits[0], logits[1])
+    capsule = random_capsule(bb, head="linear")
+    logits = capt.score(bb, capsule, pair).logits
+    assert not torch.allclose(logits[0], logits[1])
+
+
 def test_linear_head_training_with_its_cache_equals_training_without(toy_csv, tmp_path, monkeypatch):
     """A linear-head run of several epochs with dev evaluations: the cache leaves the losses, dev scores, test
     metrics and trained head as they are, and the backbone runs once per distinct prompt."""
