@@ -56,6 +56,9 @@ class TrainConfig:
     epochs: int = 50                   # the paper's budget; early stopping usually ends sooner
     max_steps: int | None = None
     max_minutes: float | None = None
+    # Set by train_in_chunks when max_minutes ends only this call, one chunk of a longer run: the whole run's
+    # max_minutes (0: none), which the ETA counts to instead. None: an ordinary run (max_minutes is the run's).
+    run_minutes: float | None = None
     eval_every: int = 50               # steps between dev evaluations (and checkpoints)
     patience: int = 10                 # dev evaluations without improvement before stopping
     min_steps: int = 0                 # no early stopping before this step (0: the paper's protocol)
@@ -92,6 +95,8 @@ class TrainConfig:
                 raise CaptError(f"{name}={value!r} is out of range; valid: an integer {lo}..{hi}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise CaptError(f"max_minutes={self.max_minutes} must be positive")
+        if self.run_minutes is not None and not self.run_minutes >= 0:
+            raise CaptError(f"run_minutes={self.run_minutes} must be 0 (no time limit) or positive")
         if not 0 < self.dev_fraction < 0.5:
             raise CaptError(f"dev_fraction={self.dev_fraction} is out of range; valid: 0 < f < 0.5")
         if self.data_file and not (self.fields and self.label_words):
@@ -491,15 +496,16 @@ def train_in_chunks(cfg: TrainConfig, run_chunk: Callable[[TrainConfig, bool], d
 
     run_chunk(chunk_cfg, resume) must call `train(chunk_cfg, ..., resume=resume)` (on whatever device the
     chunk gets) and return its summary. Chunk k gets max_minutes = k * chunk_seconds / 60 (the run's clock
-    counts every chunk, so each adds chunk_seconds of training), capped by cfg.max_minutes; every chunk
+    counts every chunk, so each adds chunk_seconds of training), capped by cfg.max_minutes, and run_minutes =
+    cfg.max_minutes (0: none), so its progress records' ETA counts to the run's end, not the chunk's; every chunk
     after the first resumes from the checkpoint the one before left in cfg.out_dir. The loop ends when a
     chunk ends for any other reason (max_steps, early stopping, a stop) or reaches the run's own budget.
     Returns the last chunk's summary with "chunks": how many calls it took.
     """
     if not cfg.out_dir:
         raise CaptError("training in chunks needs an out_dir: each chunk resumes from the checkpoint kept there")
-    return in_chunks(lambda budget, resume: run_chunk(replace(cfg, max_minutes=budget), resume), cfg.max_minutes,
-                     chunk_seconds, callback)
+    return in_chunks(lambda budget, resume: run_chunk(replace(cfg, max_minutes=budget, run_minutes=cfg.max_minutes or 0),
+                                                      resume), cfg.max_minutes, chunk_seconds, callback)
 
 
 def in_chunks(run_chunk: Callable[[float, bool], dict], total_minutes: float | None, chunk_seconds: float,
@@ -584,8 +590,9 @@ def _train_loop(cfg, method, data, optimizer, accelerator, run, state, best_para
             eta = (total - state["step"]) * per_step
             early = _early_stop_step(cfg, state, total)
             early_eta = None if early is None else (early - state["step"]) * per_step
-            if cfg.max_minutes:
-                left = max(0.0, cfg.max_minutes * 60 - state["elapsed"])
+            cap = cfg.max_minutes if cfg.run_minutes is None else cfg.run_minutes   # the run's budget, not a chunk's
+            if cap:
+                left = max(0.0, cap * 60 - state["elapsed"])
                 eta = min(eta, left)
                 early, early_eta = (early, early_eta) if early_eta is not None and early_eta < left else (None, None)
             record = {"kind": "step", "step": state["step"], "total_steps": total, "epoch": state["epoch"],
@@ -665,7 +672,8 @@ def _finite(x: float) -> float | None:
 
 # What a resumed run may change: its budget and bookkeeping. Anything else (task, method, lr, data caps,
 # capsule options, ...) would silently continue a different run, so resuming with it changed is refused.
-RESUMABLE_CHANGES = ("max_steps", "max_minutes", "epochs", "patience", "min_steps", "eval_every", "out_dir")
+RESUMABLE_CHANGES = ("max_steps", "max_minutes", "run_minutes", "epochs", "patience", "min_steps", "eval_every",
+                     "out_dir")
 
 
 def _run_identity(cfg: TrainConfig) -> dict:

@@ -384,11 +384,30 @@ def test_training_in_time_boxed_chunks_equals_one_run(toy_csv, tmp_path, trainin
     assert [r["step"] for r in log if r["kind"] == "step"] == list(range(1, 9))
 
 
+def test_a_chunked_runs_eta_counts_to_the_runs_end_not_the_chunks(toy_csv, tmp_path, training_clock):
+    """On ZeroGPU a run is a series of time-boxed calls; its progress line's ETA is the run's, not the chunk's
+    (which used to cap it: the countdown ended with every chunk). With a budget of its own, that caps it."""
+    for budget, out in ((None, "a"), (0.01, "b")):   # 0.01 minutes = 0.6 s, more than a chunk
+        steps = []
+
+        def chunk(cfg, resume):
+            keep = lambda e: steps.append((cfg.max_minutes, e)) if e["kind"] == "step" else None  # noqa: E731
+            return train(cfg, resume=resume, progress=False, callback=keep)
+        train_in_chunks(toy(toy_csv, tmp_path / out, max_steps=40, eval_every=10, max_minutes=budget), chunk,
+                        chunk_seconds=0.2)
+        assert len({b for b, _ in steps}) > 1 and steps[-1][1]["step"] <= 40
+        # past the chunk's end (records round to 0.1 s, so by more than that)
+        assert any(e["eta_s"] > b * 60 - e["elapsed_s"] + 0.15 for b, e in steps), steps[:3]
+        if budget:
+            assert all(e["eta_s"] <= budget * 60 - e["elapsed_s"] + 0.1 for _, e in steps)
+
+
 def test_chunks_stop_at_the_runs_own_budget_or_a_stop(toy_csv, tmp_path):
     calls = []
 
     def chunk(cfg, resume):   # every chunk runs out of time
         calls.append(cfg.max_minutes)
+        assert cfg.run_minutes == 1.25   # the ETA counts to the run's budget
         return {"stopped_by": "max_minutes", "steps": len(calls)}
     out = train_in_chunks(toy(toy_csv, tmp_path, max_minutes=1.25), chunk, chunk_seconds=30)
     assert calls == [0.5, 1.0, 1.25] and out["chunks"] == 3   # the last chunk gets what is left, then the run ends
