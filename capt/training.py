@@ -504,8 +504,9 @@ def train_in_chunks(cfg: TrainConfig, run_chunk: Callable[[TrainConfig, bool], d
     """
     if not cfg.out_dir:
         raise CaptError("training in chunks needs an out_dir: each chunk resumes from the checkpoint kept there")
-    return in_chunks(lambda budget, resume: run_chunk(replace(cfg, max_minutes=budget, run_minutes=cfg.max_minutes or 0),
-                                                      resume), cfg.max_minutes, chunk_seconds, callback)
+    run_minutes = cfg.max_minutes or 0
+    return in_chunks(lambda budget, resume: run_chunk(replace(cfg, max_minutes=budget, run_minutes=run_minutes), resume),
+                     cfg.max_minutes, chunk_seconds, callback)
 
 
 def in_chunks(run_chunk: Callable[[float, bool], dict], total_minutes: float | None, chunk_seconds: float,
